@@ -1,0 +1,207 @@
+"""Assemble a bundle: trace each stage, write programs, weights, tokenizer and the manifest.
+
+Everything is written into a temporary sibling directory and renamed into place
+at the end, so an interrupted export never leaves a bundle that looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime import scheduler as sched
+from runtime.errors import UserError
+from runtime.manifest import (MANIFEST_FILE, SCHEMA_VERSION, Defaults, FileRef, Geometry, Manifest, ProgramSpec,
+                              Target, TensorSpec, WeightFile, canonical_json, sha256_file)
+
+from . import denoise, text_encoder, vae_decode
+from .attention import AttentionConfig
+from .source import Source
+from .trace import extract, export_program, spec_of
+
+log = logging.getLogger("export")
+
+RESOLUTIONS = {"480p": (832, 480), "720p": (1280, 720)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    width: int
+    height: int
+    frames: int
+    batch: int
+    max_sequence_length: int
+    dtype: str  # "bf16" | "fp32"
+    target: Target
+    attention: AttentionConfig = AttentionConfig()
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    """'480p', '720p' or 'WxH' -> (width, height), both multiples of 16."""
+    if text in RESOLUTIONS:
+        return RESOLUTIONS[text]
+    m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not m:
+        raise UserError(f"resolution {text!r} is not 480p, 720p or WIDTHxHEIGHT (e.g. 832x480)")
+    w, h = int(m.group(1)), int(m.group(2))
+    if w <= 0 or h <= 0 or w % 16 or h % 16:
+        raise UserError(f"resolution {w}x{h} is not a multiple of 16 in both width and height "
+                        f"(try {max(16, round(w / 16) * 16)}x{max(16, round(h / 16) * 16)})")
+    return w, h
+
+
+def check_frames(frames: int) -> int:
+    if frames < 1 or (frames - 1) % 4:
+        lo = max(1, (frames - 1) // 4 * 4 + 1)
+        raise UserError(f"--frames {frames} is not of the form 4k+1 (try {lo} or {lo + 4})")
+    return frames
+
+
+def geometry(src: Source, s: Settings) -> Geometry:
+    vae_cfg, tr_cfg = src.vae.config, src.transformer.config
+    t_scale = int(vae_cfg.get("scale_factor_temporal") or 4)
+    s_scale = int(vae_cfg.get("scale_factor_spatial") or 8)
+    text_dim = int(src.text_encoder.config.d_model)
+    if int(tr_cfg.text_dim) != text_dim:
+        raise UserError(f"transformer text_dim {tr_cfg.text_dim} != text encoder d_model {text_dim}")
+    ph, pw = tr_cfg.patch_size[1], tr_cfg.patch_size[2]
+    if (s.height // s_scale) % ph or (s.width // s_scale) % pw:
+        raise UserError(f"{s.width}x{s.height} does not divide into the DiT's {pw}x{ph} patches of the "
+                        f"{s_scale}x-downscaled latent")
+    return Geometry(width=s.width, height=s.height, frames=s.frames, batch=s.batch,
+                    max_sequence_length=s.max_sequence_length, latent_channels=int(tr_cfg.in_channels),
+                    latent_frames=(s.frames - 1) // t_scale + 1, latent_height=s.height // s_scale,
+                    latent_width=s.width // s_scale, text_dim=text_dim, temporal_scale=t_scale,
+                    spatial_scale=s_scale)
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("wan-aot", "jax", "jaxlib", "torch", "torchax", "diffusers", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def _write_weights(path: Path, weights: dict[str, Any]) -> dict[str, TensorSpec]:
+    import ml_dtypes  # noqa: F401
+    from safetensors.numpy import save_file
+
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in sorted(weights.items())}
+    save_file(arrays, str(path))
+    return {k: spec_of(v) for k, v in arrays.items()}
+
+
+def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Manifest:
+    """Export every stage of `src` for `s` into the bundle directory `out`."""
+    import torch
+
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
+    geo = geometry(src, s)
+    sched_cfg = sched.config_from_diffusers(src.scheduler_config)
+    order = sched_cfg.solver_order
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for sub in ("stages", "weights", "tokenizer"):
+        (tmp / sub).mkdir(parents=True)
+    try:
+        programs: dict[str, ProgramSpec] = {}
+        weight_files: dict[str, WeightFile] = {}
+
+        def add_weights(group: str, weights: dict[str, Any]) -> dict[str, TensorSpec]:
+            rel = f"weights/{group}.safetensors"
+            tensors = _write_weights(tmp / rel, weights)
+            weight_files[group] = WeightFile(file=rel, sha256=sha256_file(tmp / rel), tensors=tensors)
+            return tensors
+
+        def add_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str]) -> None:
+            log.info("exporting %s", name)
+            blob, outs = export_program(fn, weight_files[group].tensors, inputs, outputs, s.target)
+            rel = f"stages/{name}.jaxexport"
+            (tmp / rel).write_bytes(blob)
+            programs[name] = ProgramSpec(file=rel, sha256=sha256_file(tmp / rel), weights=group,
+                                         inputs=inputs, outputs=outs)
+
+        with torch.no_grad():
+            n2, L, D = 2 * geo.batch, geo.max_sequence_length, geo.text_dim
+            ex = extract(src.text_encoder, s.attention)
+            add_weights("text_encoder", ex.weights)
+            add_program("text_encoder", "text_encoder", text_encoder.build(ex),
+                        {"ids": TensorSpec((n2, L), "int32"), "mask": TensorSpec((n2, L), "int32")},
+                        ["embeds"])
+
+            ex = extract(src.transformer, s.attention)
+            add_weights("transformer", ex.weights)
+            model_dtype = {"bf16": "bfloat16", "fp32": "float32"}[s.dtype]
+            add_program("denoise_step", "transformer", denoise.build(ex, order, np.dtype(_np_dtype(model_dtype))), {
+                "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
+                "context": TensorSpec((n2, L, D), "float32"),
+                "timestep": TensorSpec((), "int32"),
+                "guidance": TensorSpec((), "float32"),
+                "row": TensorSpec((sched.row_size(order),), "float32"),
+            }, ["state", "finite"])
+
+            dec = vae_decode.decoder_module(src.vae)
+            caches = vae_decode.cache_specs(src.vae, (geo.latent_height, geo.latent_width), geo.batch)
+            ex = extract(dec, s.attention)
+            add_weights("vae", ex.weights)
+            chunk = TensorSpec((geo.batch, geo.latent_channels, 1, geo.latent_height, geo.latent_width), "float32")
+            cache_inputs = {f"cache_{i:02d}": c for i, c in enumerate(caches) if c is not None}
+            cache_outputs = list(cache_inputs)
+            add_program("vae_decode_first", "vae", vae_decode.build(src.vae, ex.fn, caches, first=True),
+                        {"latents": chunk}, ["frames", *cache_outputs])
+            if geo.latent_frames > 1:
+                add_program("vae_decode_next", "vae", vae_decode.build(src.vae, ex.fn, caches, first=False),
+                            {"latents": chunk, **cache_inputs}, ["frames", *cache_outputs])
+
+        (tmp / "tokenizer/tokenizer.json").write_text(src.tokenizer_json)
+        flow_shift = sched_cfg.flow_shift
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION,
+            source=src.describe(),
+            geometry=geo,
+            target=s.target,
+            defaults=Defaults(steps=50, guidance=5.0, flow_shift=flow_shift, fps=16),
+            scheduler=sched_cfg.to_json(),
+            dtype=s.dtype,
+            attention=s.attention.to_json(),
+            programs=programs,
+            weights=weight_files,
+            tokenizer=FileRef("tokenizer/tokenizer.json", sha256_file(tmp / "tokenizer/tokenizer.json")),
+            versions=versions(),
+        ).with_id()
+        (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
+        _replace(tmp, out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _np_dtype(name: str) -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished bundle into place (the old one, with --force, goes only after)."""
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(trash)
+        tmp.rename(out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        tmp.rename(out)

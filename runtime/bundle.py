@@ -1,0 +1,138 @@
+"""Opening a bundle: check it, rebuild the mesh, deserialize programs, place weights per device."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors slices need)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import manifest as mf
+from .errors import BundleError
+
+log = logging.getLogger("runtime")
+
+
+def make_mesh(target: mf.Target, devices: list[Any] | None = None) -> Mesh:
+    """The target's mesh over the available devices; refuses a device count or platform mismatch."""
+    devices = list(jax.devices() if devices is None else devices)
+    platform = devices[0].platform if devices else "none"
+    want = target.platform
+    if platform != want and not (want == "cuda" and platform == "gpu"):
+        raise BundleError(f"bundle was exported for platform {want!r} (target {target.name}) but this machine "
+                          f"runs {platform!r}: export a bundle with --target for this platform")
+    if len(devices) != target.num_devices:
+        raise BundleError(f"bundle was exported for {target.num_devices} device(s) (target {target.name}) but "
+                          f"{len(devices)} are available: run it where {target.num_devices} are, or re-export")
+    sizes = tuple(target.mesh.values())
+    return Mesh(np.array(devices).reshape(sizes), tuple(target.mesh))
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: mf.Manifest
+    mesh: Mesh
+    _programs: dict[str, Any] = field(default_factory=dict)
+    _calls: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    _weights: dict[str, dict[str, jax.Array]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def program(self, name: str) -> Any:
+        if name not in self._programs:
+            spec = self.manifest.programs.get(name)
+            if spec is None:
+                raise BundleError(f"bundle has no program {name!r}: re-export it")
+            blob = mf.resolve(self.path, spec.file).read_bytes()
+            try:
+                self._programs[name] = jax.export.deserialize(bytearray(blob))
+            except Exception as e:  # noqa: BLE001  (any failure here means an unusable file)
+                raise BundleError(f"cannot deserialize {spec.file} ({type(e).__name__}: {e}); it was exported "
+                                  f"with jax {self.manifest.versions.get('jax')}: re-export with this jax "
+                                  f"({jax.__version__})") from None
+        return self._programs[name]
+
+    def call(self, name: str) -> Callable[..., Any]:
+        """The program as a jitted callable: fn(*inputs) with the program's weights bound."""
+        if name not in self._calls:
+            exp = self.program(name)
+            weights = self.weights(self.manifest.programs[name].weights, name)
+            jitted = jax.jit(exp.call)
+            self._calls[name] = lambda *args: jitted(weights, *args)
+        return self._calls[name]
+
+    def input_shardings(self, name: str) -> list[Any]:
+        """Shardings of the program's non-weight inputs, in order."""
+        exp = self.program(name)
+        (w, *rest), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
+        return [s or NamedSharding(self.mesh, PartitionSpec()) for s in rest]
+
+    def weights(self, group: str, program: str) -> dict[str, jax.Array]:
+        with self._lock:
+            if group not in self._weights:
+                self._weights[group] = self._load_weights(group, program)
+            return self._weights[group]
+
+    def _load_weights(self, group: str, program: str) -> dict[str, jax.Array]:
+        from safetensors import safe_open
+
+        wf = self.manifest.weights.get(group)
+        if wf is None:
+            raise BundleError(f"bundle lists no weights {group!r}: re-export it")
+        exp = self.program(program)
+        (w_shardings, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
+        (w_avals, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        path = mf.resolve(self.path, wf.file)
+        out: dict[str, jax.Array] = {}
+        with safe_open(str(path), framework="numpy") as f:
+            present = set(f.keys())
+            for name, aval in w_avals.items():
+                if name not in present:
+                    raise BundleError(f"weights file {wf.file} has no tensor {name!r}: re-export the bundle")
+                sl = f.get_slice(name)
+                shape, dtype = tuple(sl.get_shape()), _dtype(sl.get_dtype())
+                if shape != tuple(aval.shape) or dtype != np.dtype(aval.dtype):
+                    raise BundleError(f"tensor {name!r} in {wf.file} is {dtype.name}{list(shape)} but the program "
+                                      f"expects {np.dtype(aval.dtype).name}{list(aval.shape)}: re-export the bundle")
+                sharding = w_shardings[name] or NamedSharding(self.mesh, PartitionSpec())  # None: unconstrained
+                out[name] = _place(sl, shape, sharding)
+        return out
+
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
+              "I64": np.int64, "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F64": np.float64}
+
+
+def _dtype(st: str) -> np.dtype:
+    return np.dtype(_ST_DTYPES.get(st, np.void))
+
+
+def _place(sl: Any, shape: tuple[int, ...], sharding: Any) -> jax.Array:
+    """Build a global array whose every addressable shard is read straight from the file slice."""
+    cache: dict[tuple, np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            full = tuple(slice(0 if s.start is None else s.start, dim if s.stop is None else s.stop)
+                         for s, dim in zip(index, shape))
+            cache[key] = np.asarray(sl[full]).reshape(tuple(s.stop - s.start for s in full))
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
+    """Read and check `path`; programs and weights load lazily on first use."""
+    path = Path(path)
+    manifest = mf.read(path)
+    if verify:
+        mf.verify_files(path, manifest)
+    mesh = make_mesh(manifest.target)
+    return Bundle(path=path, manifest=manifest, mesh=mesh)

@@ -1,0 +1,250 @@
+"""The bundle manifest: the one contract between `export` and `runtime`.
+
+A bundle is a directory::
+
+    manifest.json                 this schema, as JSON
+    stages/<program>.jaxexport    serialized jax.export programs (weights are arguments)
+    weights/<group>.safetensors   one file per model component, tensors named as in torch
+    tokenizer/tokenizer.json      a `tokenizers` fast tokenizer
+
+Every file is listed with its sha256 and checked before use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import BundleError
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TensorSpec":
+        return cls(shape=tuple(int(s) for s in d["shape"]), dtype=str(d["dtype"]))
+
+
+@dataclass(frozen=True)
+class FileRef:
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One serialized program. `weights` names the weight group passed as its first argument."""
+
+    file: str
+    sha256: str
+    weights: str
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    file: str
+    sha256: str
+    tensors: dict[str, TensorSpec]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A platform and a device mesh (axes in device order)."""
+
+    name: str
+    platform: str
+    mesh: dict[str, int]
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for size in self.mesh.values():
+            n *= size
+        return n
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the programs were traced for: pixels, frames, batch and the latent/text shapes they imply."""
+
+    width: int
+    height: int
+    frames: int
+    batch: int
+    max_sequence_length: int
+    latent_channels: int
+    latent_frames: int
+    latent_height: int
+    latent_width: int
+    text_dim: int
+    temporal_scale: int
+    spatial_scale: int
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.batch, self.latent_channels, self.latent_frames, self.latent_height, self.latent_width)
+
+    @property
+    def embeds_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.max_sequence_length, self.text_dim)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    steps: int
+    guidance: float
+    flow_shift: float
+    fps: int = 16
+
+
+@dataclass(frozen=True)
+class Manifest:
+    schema_version: int
+    source: dict[str, Any]
+    geometry: Geometry
+    target: Target
+    defaults: Defaults
+    scheduler: dict[str, Any]
+    dtype: str
+    attention: dict[str, Any]
+    programs: dict[str, ProgramSpec]
+    weights: dict[str, WeightFile]
+    tokenizer: FileRef
+    versions: dict[str, str]
+    bundle_id: str = ""
+
+    def files(self) -> list[FileRef]:
+        refs = [FileRef(p.file, p.sha256) for p in self.programs.values()]
+        refs += [FileRef(w.file, w.sha256) for w in self.weights.values()]
+        refs.append(self.tokenizer)
+        return refs
+
+    def to_json(self) -> dict[str, Any]:
+        return _encode(self)
+
+    def with_id(self) -> "Manifest":
+        """The manifest with `bundle_id` set to the sha256 of its own canonical content."""
+        body = self.to_json()
+        body.pop("bundle_id", None)
+        digest = hashlib.sha256(canonical_json(body).encode()).hexdigest()
+        return dataclasses.replace(self, bundle_id=digest[:16])
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Manifest":
+        if not isinstance(d, dict):
+            raise BundleError("manifest.json is not a JSON object: re-export the bundle")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise BundleError(
+                f"bundle schema version {version!r} is not supported by this runtime (it reads version "
+                f"{SCHEMA_VERSION}): re-export the bundle with a matching `export`, or use a matching runtime")
+        try:
+            return _decode(cls, d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"manifest.json is malformed ({type(e).__name__}: {e}): re-export the bundle") from None
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
+
+
+def _encode(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    return obj
+
+
+def _decode(tp: Any, value: Any) -> Any:
+    import typing
+
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError(f"{tp.__name__} must be an object")
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                kwargs[f.name] = _decode(hints[f.name], value[f.name])
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise KeyError(f"{tp.__name__}.{f.name}")
+        return tp(**kwargs)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError("expected an object")
+        return {str(k): _decode(args[1], v) for k, v in value.items()}
+    if origin is tuple:
+        return tuple(_decode(args[0], v) for v in value)
+    if tp in (int, float, str):
+        if tp is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, tp) or isinstance(value, bool):
+            raise TypeError(f"expected {tp.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve(bundle: Path, rel: str) -> Path:
+    """A manifest path inside the bundle; refuses absolute paths and `..` escapes."""
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or rel.strip() == "" or "\\" in rel:
+        raise BundleError(f"manifest path {rel!r} escapes the bundle: the bundle is corrupt or hostile, re-export it")
+    full = (bundle / Path(*p.parts)).resolve()
+    if bundle.resolve() not in full.parents:
+        raise BundleError(f"manifest path {rel!r} escapes the bundle: the bundle is corrupt or hostile, re-export it")
+    return full
+
+
+def read(bundle: Path) -> Manifest:
+    path = bundle / MANIFEST_FILE
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle} is not a bundle directory: pass the directory `python -m export` wrote")
+    if not path.is_file():
+        raise BundleError(f"{bundle} has no {MANIFEST_FILE}: it is not a complete bundle, re-export it")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path} is not valid JSON ({e}): re-export the bundle") from None
+    m = Manifest.from_json(data)
+    if m.bundle_id != m.with_id().bundle_id:
+        raise BundleError(f"{path} was modified after export (its bundle_id does not match its content): re-export it")
+    return m
+
+
+def verify_files(bundle: Path, manifest: Manifest) -> None:
+    """Check every file the manifest lists against its sha256."""
+    for ref in manifest.files():
+        path = resolve(bundle, ref.file)
+        if not path.is_file():
+            raise BundleError(f"bundle file {ref.file} is missing: re-copy or re-export the bundle")
+        if sha256_file(path) != ref.sha256:
+            raise BundleError(f"bundle file {ref.file} does not match its sha256 in the manifest "
+                              "(tampered or truncated): re-copy or re-export the bundle")

@@ -1,0 +1,41 @@
+"""Writing frames to mp4 (H.264, yuv420p) through imageio-ffmpeg, atomically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+from .files import atomic_path
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    """[0, 1] float frames -> uint8, as diffusers' export_to_video does (x * 255, truncated)."""
+    return (np.clip(frames, 0.0, 1.0) * 255).astype(np.uint8)
+
+
+def write_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
+    """Write (F, H, W, 3) or (1, F, H, W, 3) frames in [0, 1] to `path` as mp4."""
+    import imageio.v2 as imageio
+
+    frames = np.asarray(frames)
+    if frames.ndim == 5:
+        if frames.shape[0] != 1:
+            raise UserError(f"write_video takes one video; got a batch of {frames.shape[0]} (write each)")
+        frames = frames[0]
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise UserError(f"frames must be (F, H, W, 3), got shape {frames.shape}")
+    if fps < 1:
+        raise UserError(f"fps must be >= 1, got {fps}")
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        writer = imageio.get_writer(str(tmp), format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p",
+                                    macro_block_size=1, output_params=["-movflags", "+faststart"])
+        try:
+            for frame in to_uint8(frames):
+                writer.append_data(frame)
+        finally:
+            writer.close()
+    return path

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny diffusers checkpoints and bundles exported from them (built once per session)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python -m ...` from the repository root; returns the completed process."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"python -m {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The embedded tiny variants saved with diffusers' save_pretrained."""
+    from export import tiny
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: tiny.save(name, root / name) for name in ("tiny", "tiny-wide")}
+
+
+# (variant, resolution, frames, max sequence length)
+CASES = {
+    "tiny-64x32-f9": ("tiny", "64x32", 9, 24),
+    "wide-48x48-f5": ("tiny-wide", "48x48", 5, 16),
+}
+
+
+@pytest.fixture(scope="session")
+def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for case, (variant, res, frames, max_len) in CASES.items():
+        out[case] = root / case
+        run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[case]), "-q")
+    return out
