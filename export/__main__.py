@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,9 +41,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_build_libraries() -> None:
+    """Silence the build stack's progress bars and known-harmless warnings (int64 -> int32 under torchax)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"Explicitly requested dtype int64")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffusers)\.")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s")
+    # Exporting needs no accelerator, whatever the target: keep JAX on the host CPU.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _quiet_build_libraries()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         from .build import Settings, build_bundle, check_frames, parse_resolution
 

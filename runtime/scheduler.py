@@ -119,25 +119,29 @@ def sigmas_for(steps: int, shift: float, cfg: UniPCConfig) -> tuple[np.ndarray, 
 
 
 def _lambda(sigma: float) -> float:
-    with np.errstate(divide="ignore"):
-        return float(np.log(1.0 - sigma) - np.log(sigma)) if sigma > 0 else math.inf
+    return float(np.log(1.0 - sigma) - np.log(sigma)) if sigma > 0 else math.inf
 
 
 def _bh_terms(h: float, order: int, solver_type: str, rks: list[float]) -> tuple[float, float, np.ndarray, np.ndarray]:
-    """h_phi_1, B_h, R and b of diffusers' UniPC bh update (predict_x0 form)."""
-    hh = -h
-    h_phi_1 = math.expm1(hh) if math.isfinite(hh) else -1.0
-    h_phi_k = h_phi_1 / hh - 1 if math.isfinite(hh) else -1.0
-    b_h = hh if solver_type == "bh1" else h_phi_1
-    r_rows, b = [], []
-    factorial = 1
-    rk_arr = np.array(rks + [1.0], dtype=np.float64)
-    for i in range(1, order + 1):
-        r_rows.append(rk_arr ** (i - 1))
-        b.append(h_phi_k * factorial / b_h)
-        factorial *= i + 1
-        h_phi_k = (h_phi_k / hh - 1 / factorial) if math.isfinite(hh) else -1.0 / factorial
-    return h_phi_1, b_h, np.array(r_rows), np.array(b)
+    """h_phi_1, B_h, R and b of diffusers' UniPC bh update (predict_x0 form).
+
+    IEEE semantics as in torch: with a zero final sigma h is +inf (h_phi_1 = -1), and with
+    a repeated final sigma h is 0; the terms that come out inf/nan are then never used.
+    """
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        hh = np.float64(-h)
+        h_phi_1 = np.expm1(hh)
+        h_phi_k = h_phi_1 / hh - 1
+        b_h = hh if solver_type == "bh1" else h_phi_1
+        r_rows, b = [], []
+        factorial = 1
+        rk_arr = np.array(rks + [1.0], dtype=np.float64)
+        for i in range(1, order + 1):
+            r_rows.append(rk_arr ** (i - 1))
+            b.append(h_phi_k * factorial / b_h)
+            factorial *= i + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial
+    return float(h_phi_1), float(b_h), np.array(r_rows), np.array(b)
 
 
 def plan(steps: int, shift: float, cfg: UniPCConfig) -> Plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,9 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> P
     if fps < 1:
         raise UserError(f"fps must be >= 1, got {fps}")
     path = Path(path)
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, warnings.catch_warnings():
+        # imageio-ffmpeg forks ffmpeg and execs at once; JAX's fork-with-threads warning doesn't apply.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         writer = imageio.get_writer(str(tmp), format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p",
                                     macro_block_size=1, output_params=["-movflags", "+faststart"])
         try:

@@ -1,0 +1,129 @@
+"""`python -m runtime`: generate videos from a bundle, all at once or stage by stage.
+
+    python -m runtime generate BUNDLE --prompt "a cat playing piano" --out cat.mp4
+    python -m runtime encode  BUNDLE --prompt "..." --out embeds.safetensors
+    python -m runtime denoise BUNDLE --embeds embeds.safetensors --out latents.safetensors
+    python -m runtime decode  BUNDLE --latents latents.safetensors --out video.mp4
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _bundle_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", type=Path, help="bundle directory written by `python -m export`")
+
+
+def _denoise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="noise seed (jax.random; does not reproduce torch's)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the bundle's)")
+    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    p.add_argument("--flow-shift", type=float, default=None, help="UniPC flow shift (default: the bundle's)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", parents=[common], help="prompt -> mp4")
+    _bundle_arg(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--negative-prompt", default="")
+    _denoise_args(g)
+    g.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the bundle's)")
+    g.add_argument("--out", type=Path, required=True, help="mp4 path (batch > 1 writes NAME-<i>.mp4)")
+
+    e = sub.add_parser("encode", parents=[common], help="prompt -> embeddings (safetensors)")
+    _bundle_arg(e)
+    e.add_argument("--prompt", required=True)
+    e.add_argument("--negative-prompt", default="")
+    e.add_argument("--out", type=Path, required=True)
+
+    d = sub.add_parser("denoise", parents=[common], help="embeddings -> latents (safetensors)")
+    _bundle_arg(d)
+    d.add_argument("--embeds", type=Path, required=True)
+    d.add_argument("--latents", type=Path, default=None, help="initial latents (key `latents`) instead of noise")
+    _denoise_args(d)
+    d.add_argument("--out", type=Path, required=True)
+
+    v = sub.add_parser("decode", parents=[common], help="latents -> mp4")
+    _bundle_arg(v)
+    v.add_argument("--latents", type=Path, required=True)
+    v.add_argument("--fps", type=int, default=None)
+    v.add_argument("--out", type=Path, required=True)
+    return p
+
+
+def _write_videos(frames: Any, out: Path, fps: int) -> list[Path]:
+    from .video import write_video
+
+    if frames.shape[0] == 1:
+        return [write_video(frames[0], out, fps=fps)]
+    return [write_video(f, out.with_name(f"{out.stem}-{i}{out.suffix}"), fps=fps) for i, f in enumerate(frames)]
+
+
+def run(args: argparse.Namespace) -> None:
+    from . import intermediates as im
+    from .files import check_writable
+    from .pipeline import load
+
+    check_writable(args.out)
+    pipe = load(args.bundle)
+    g = pipe.geometry
+    log = logging.getLogger("runtime")
+    progress = not args.quiet
+    if args.command == "generate":
+        fps = args.fps or pipe.manifest.defaults.fps
+        frames = pipe.generate(args.prompt, args.negative_prompt, seed=args.seed, steps=args.steps,
+                               guidance=args.guidance, flow_shift=args.flow_shift, progress=progress)
+        for path in _write_videos(frames, args.out, fps):
+            log.info("wrote %s", path)
+    elif args.command == "encode":
+        embeds = pipe.encode(args.prompt, args.negative_prompt)
+        im.save(args.out, im.EMBEDS, embeds, pipe.bundle_id, {"prompt": args.prompt,
+                                                              "negative_prompt": args.negative_prompt})
+        log.info("wrote %s", args.out)
+    elif args.command == "denoise":
+        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift)
+        embeds, _ = im.load(args.embeds, im.EMBEDS, pipe.bundle_id,
+                            {"prompt_embeds": g.embeds_shape, "negative_prompt_embeds": g.embeds_shape})
+        init = None
+        if args.latents is not None:
+            init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
+        latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress)
+        im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, s.to_json())
+        log.info("wrote %s", args.out)
+    elif args.command == "decode":
+        latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
+        frames = pipe.decode(latents)
+        for path in _write_videos(frames, args.out, args.fps or pipe.manifest.defaults.fps):
+            log.info("wrote %s", path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("runtime").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    from .errors import UserError
+
+    try:
+        run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
