@@ -99,6 +99,7 @@ def _write_weights(path: Path, weights: dict[str, Any]) -> dict[str, TensorSpec]
 
     arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in sorted(weights.items())}
     save_file(arrays, str(path))
+    path.chmod(0o644)  # safetensors creates 0600; bundles are copied to and read by other users
     return {k: spec_of(v) for k, v in arrays.items()}
 
 

@@ -46,3 +46,35 @@ def test_matches_diffusers(case: str, fp32_bundles, checkpoints) -> None:
     assert np.abs(frames_out - ref_frames).max() <= 1e-4
     # The frames are not trivially equal (e.g. all clamped): the model did something.
     assert frames_out.std() > 1e-3
+
+
+def test_bf16_bundle_tracks_diffusers_bf16(checkpoints, tmp_path) -> None:
+    """bf16 rounds differently in XLA and torch, so only mean errors are bounded here: embeddings
+    within ~1/4 bf16 ulp on average, latents and frames within a few tenths of a percent. A wrong
+    program (e.g. a dropped kept-in-fp32 module or a bad cast) is off by 10x more."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    from .conftest import run_module
+
+    out = tmp_path / "bf16"
+    run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "64x32", "--frames", "9",
+               "--dtype", "bf16", "--max-sequence-length", "24", "--out", str(out), "-q")
+    pipe = runtime.load(out)
+    assert pipe.manifest.weights["transformer"].tensors["blocks.0.attn1.to_q.weight"].dtype == "bfloat16"
+    assert pipe.manifest.weights["transformer"].tensors["scale_shift_table"].dtype == "float32"
+    vae = AutoencoderKLWan.from_pretrained(str(checkpoints["tiny"]), subfolder="vae", dtype=torch.float32)
+    ref = WanPipeline.from_pretrained(str(checkpoints["tiny"]), vae=vae, dtype=torch.bfloat16)
+    embeds = pipe.encode(PROMPT, NEGATIVE)
+    init = pipe.initial_latents(0)
+    latents = pipe.denoise(embeds, seed=0, steps=4, guidance=5.0, progress=False)
+    frames = pipe.decode(latents)
+    call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, height=32, width=64, num_frames=9, num_inference_steps=4,
+                guidance_scale=5.0, max_sequence_length=24, latents=torch.from_numpy(init.copy()))
+    with torch.no_grad():
+        pe, _ = ref.encode_prompt(PROMPT, NEGATIVE, max_sequence_length=24)
+        ref_latents = ref(**call, output_type="latent").frames.float().numpy()
+        ref_frames = ref(**call, output_type="np").frames
+    assert np.abs(embeds["prompt_embeds"] - pe.float().numpy()).mean() <= 5e-3
+    assert np.abs(latents - ref_latents).mean() <= 3e-2
+    assert np.abs(frames - ref_frames).mean() <= 1e-2
