@@ -6,6 +6,7 @@ at the end, so an interrupted export never leaves a bundle that looks complete.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -23,9 +24,10 @@ from runtime.manifest import (MANIFEST_FILE, SCHEMA_VERSION, Defaults, FileRef, 
                               Target, TensorSpec, WeightFile, canonical_json, sha256_file)
 
 from . import denoise, text_encoder, vae_decode
+from . import weights as weight_writer
 from .attention import AttentionConfig
 from .source import Source
-from .trace import extract, export_program, spec_of
+from .trace import extract, export_program
 
 log = logging.getLogger("export")
 
@@ -66,18 +68,18 @@ def check_frames(frames: int) -> int:
 
 
 def geometry(src: Source, s: Settings) -> Geometry:
-    vae_cfg, tr_cfg = src.vae.config, src.transformer.config
+    vae_cfg, tr_cfg = src.vae_config, src.transformer_config
     t_scale = int(vae_cfg.get("scale_factor_temporal") or 4)
     s_scale = int(vae_cfg.get("scale_factor_spatial") or 8)
-    text_dim = int(src.text_encoder.config.d_model)
-    if int(tr_cfg.text_dim) != text_dim:
-        raise UserError(f"transformer text_dim {tr_cfg.text_dim} != text encoder d_model {text_dim}")
-    ph, pw = tr_cfg.patch_size[1], tr_cfg.patch_size[2]
+    text_dim = int(src.text_encoder_config["d_model"])
+    if int(tr_cfg["text_dim"]) != text_dim:
+        raise UserError(f"transformer text_dim {tr_cfg['text_dim']} != text encoder d_model {text_dim}")
+    ph, pw = tr_cfg["patch_size"][1], tr_cfg["patch_size"][2]
     if (s.height // s_scale) % ph or (s.width // s_scale) % pw:
         raise UserError(f"{s.width}x{s.height} does not divide into the DiT's {pw}x{ph} patches of the "
                         f"{s_scale}x-downscaled latent")
     return Geometry(width=s.width, height=s.height, frames=s.frames, batch=s.batch,
-                    max_sequence_length=s.max_sequence_length, latent_channels=int(tr_cfg.in_channels),
+                    max_sequence_length=s.max_sequence_length, latent_channels=int(tr_cfg["in_channels"]),
                     latent_frames=(s.frames - 1) // t_scale + 1, latent_height=s.height // s_scale,
                     latent_width=s.width // s_scale, text_dim=text_dim, temporal_scale=t_scale,
                     spatial_scale=s_scale)
@@ -91,16 +93,6 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[pkg] = "unknown"
     return out
-
-
-def _write_weights(path: Path, weights: dict[str, Any]) -> dict[str, TensorSpec]:
-    import ml_dtypes  # noqa: F401
-    from safetensors.numpy import save_file
-
-    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in sorted(weights.items())}
-    save_file(arrays, str(path))
-    path.chmod(0o644)  # safetensors creates 0600; bundles are copied to and read by other users
-    return {k: spec_of(v) for k, v in arrays.items()}
 
 
 def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Manifest:
@@ -122,8 +114,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         weight_files: dict[str, WeightFile] = {}
 
         def add_weights(group: str, weights: dict[str, Any]) -> dict[str, TensorSpec]:
+            log.info("writing %s weights", group)
             rel = f"weights/{group}.safetensors"
-            tensors = _write_weights(tmp / rel, weights)
+            tensors = weight_writer.write(tmp / rel, weights)
             weight_files[group] = WeightFile(file=rel, sha256=sha256_file(tmp / rel), tensors=tensors)
             return tensors
 
@@ -135,15 +128,20 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             programs[name] = ProgramSpec(file=rel, sha256=sha256_file(tmp / rel), weights=group,
                                          inputs=inputs, outputs=outs)
 
+        # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
             n2, L, D = 2 * geo.batch, geo.max_sequence_length, geo.text_dim
-            ex = extract(src.text_encoder, s.attention)
+            module = src.load_text_encoder()
+            ex = extract(module, s.attention)
             add_weights("text_encoder", ex.weights)
             add_program("text_encoder", "text_encoder", text_encoder.build(ex),
                         {"ids": TensorSpec((n2, L), "int32"), "mask": TensorSpec((n2, L), "int32")},
                         ["embeds"])
+            del module, ex
+            gc.collect()
 
-            ex = extract(src.transformer, s.attention)
+            module = src.load_transformer()
+            ex = extract(module, s.attention)
             add_weights("transformer", ex.weights)
             model_dtype = {"bf16": "bfloat16", "fp32": "float32"}[s.dtype]
             add_program("denoise_step", "transformer", denoise.build(ex, order, np.dtype(_np_dtype(model_dtype))), {
@@ -153,19 +151,24 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                 "guidance": TensorSpec((), "float32"),
                 "row": TensorSpec((sched.row_size(order),), "float32"),
             }, ["state", "finite"])
+            del module, ex
+            gc.collect()
 
-            dec = vae_decode.decoder_module(src.vae)
-            caches = vae_decode.cache_specs(src.vae, (geo.latent_height, geo.latent_width), geo.batch)
+            vae = src.load_vae()
+            dec = vae_decode.decoder_module(vae)
+            caches = vae_decode.cache_specs(vae, (geo.latent_height, geo.latent_width), geo.batch)
             ex = extract(dec, s.attention)
             add_weights("vae", ex.weights)
             chunk = TensorSpec((geo.batch, geo.latent_channels, 1, geo.latent_height, geo.latent_width), "float32")
             cache_inputs = {f"cache_{i:02d}": c for i, c in enumerate(caches) if c is not None}
             cache_outputs = list(cache_inputs)
-            add_program("vae_decode_first", "vae", vae_decode.build(src.vae, ex.fn, caches, first=True),
+            add_program("vae_decode_first", "vae", vae_decode.build(vae, ex.fn, caches, first=True),
                         {"latents": chunk}, ["frames", *cache_outputs])
             if geo.latent_frames > 1:
-                add_program("vae_decode_next", "vae", vae_decode.build(src.vae, ex.fn, caches, first=False),
+                add_program("vae_decode_next", "vae", vae_decode.build(vae, ex.fn, caches, first=False),
                             {"latents": chunk, **cache_inputs}, ["frames", *cache_outputs])
+            del vae, dec, ex
+            gc.collect()
 
         (tmp / "tokenizer/tokenizer.json").write_text(src.tokenizer_json)
         flow_shift = sched_cfg.flow_shift

@@ -16,16 +16,23 @@ from . import tiny
 
 @dataclass
 class Source:
-    """The pipeline components export needs, plus where they came from."""
+    """Where the pipeline comes from, its configs, and loaders for one component at a time.
+
+    Components are loaded on demand so that the build holds one of them in memory at a
+    time (the real text encoder alone is 11 GB in bf16).
+    """
 
     kind: str  # "tiny" | "directory" | "hub"
     id: str
     revision: str | None
-    transformer: Any
-    text_encoder: Any
-    vae: Any
-    tokenizer_json: str
+    location: str
+    dtype: str  # "bf16" | "fp32": text encoder and DiT
+    transformer_config: dict[str, Any]
+    vae_config: dict[str, Any]
+    text_encoder_config: dict[str, Any]
     scheduler_config: dict[str, Any]
+    tokenizer_json: str
+    keepalive: Any = None  # a TemporaryDirectory for the embedded model
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -33,12 +40,37 @@ class Source:
             "id": self.id,
             "revision": self.revision,
             "config": {
-                "transformer": _plain(self.transformer.config),
-                "vae": _plain(self.vae.config),
-                "text_encoder": _plain(self.text_encoder.config.to_diff_dict()),
+                "transformer": _plain(self.transformer_config),
+                "vae": _plain(self.vae_config),
+                "text_encoder": _plain(self.text_encoder_config),
                 "scheduler": _plain(self.scheduler_config),
             },
         }
+
+    def _torch_dtype(self) -> Any:
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+    def load_transformer(self) -> Any:
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel.from_pretrained(self.location, subfolder="transformer", revision=self.revision,
+                                                     dtype=self._torch_dtype()).eval()
+
+    def load_text_encoder(self) -> Any:
+        from transformers import UMT5EncoderModel
+
+        return UMT5EncoderModel.from_pretrained(self.location, subfolder="text_encoder", revision=self.revision,
+                                                dtype=self._torch_dtype()).eval()
+
+    def load_vae(self) -> Any:
+        import torch
+        from diffusers import AutoencoderKLWan
+
+        # diffusers runs the Wan VAE in float32 in every reference pipeline; so do we.
+        return AutoencoderKLWan.from_pretrained(self.location, subfolder="vae", revision=self.revision,
+                                                dtype=torch.float32).eval()
 
 
 def _plain(cfg: Any) -> Any:
@@ -62,47 +94,44 @@ def _tokenizer_json(tokenizer: Any) -> str:
 
 
 def load(model: str, dtype: str, revision: str | None = None) -> Source:
-    """Load `model` (a tiny variant name, a directory, or a hub id); text encoder and DiT in `dtype`."""
+    """Open `model` (a tiny variant name, a directory, or a hub id); components load later, one at a time."""
     if model in tiny.VARIANTS:
-        with tempfile.TemporaryDirectory(prefix="wan-aot-tiny-") as tmp:
-            src = _load_diffusers(tiny.save(model, Path(tmp)), dtype, None)
-        src.kind, src.id = "tiny", model
+        tmp = tempfile.TemporaryDirectory(prefix="wan-aot-tiny-")
+        src = _open_diffusers(str(tiny.save(model, Path(tmp.name))), dtype, None)
+        src.kind, src.id, src.keepalive = "tiny", model, tmp
         return src
     path = Path(model)
     if path.exists():
         if not (path / "model_index.json").is_file():
             raise UserError(f"{model} is not a diffusers-format pipeline directory (no model_index.json)")
-        src = _load_diffusers(path, dtype, None)
+        src = _open_diffusers(str(path), dtype, None)
         src.kind, src.id = "directory", str(path.resolve())
         return src
     if model.count("/") != 1 or model.startswith((".", "/")):
         raise UserError(f"unknown model {model!r}: pass a diffusers-format directory, a hub id such as "
                         f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or one of {', '.join(tiny.VARIANTS)}")
-    src = _load_diffusers(model, dtype, revision)
+    src = _open_diffusers(model, dtype, revision)
     src.kind, src.id = "hub", model
     return src
 
 
-def _load_diffusers(where: Any, dtype: str, revision: str | None) -> Source:
-    import torch
+def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
     from diffusers import AutoencoderKLWan, DiffusionPipeline, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5EncoderModel
+    from transformers import AutoTokenizer, UMT5Config
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    index = DiffusionPipeline.load_config(str(where), revision=revision)
+    index = DiffusionPipeline.load_config(where, revision=revision)
     if index.get("_class_name") != "WanPipeline":
         raise UserError(f"{where} is a {index.get('_class_name')}, not a Wan text-to-video WanPipeline")
     if index.get("transformer_2", [None])[0] is not None or index.get("expand_timesteps"):
         raise UserError(f"{where} is a Wan 2.2 two-expert or TI2V pipeline: only Wan 2.1 T2V is supported so far")
-    sched = UniPCMultistepScheduler.load_config(str(where), subfolder="scheduler", revision=revision)
+    sched = dict(UniPCMultistepScheduler.load_config(where, subfolder="scheduler", revision=revision))
     reason = unsupported_reason(sched)
     if reason:
         raise UserError(f"{where}: {reason}")
-    kw = dict(revision=revision)
-    transformer = WanTransformer3DModel.from_pretrained(str(where), subfolder="transformer", dtype=torch_dtype, **kw)
-    text_encoder = UMT5EncoderModel.from_pretrained(str(where), subfolder="text_encoder", dtype=torch_dtype, **kw)
-    # diffusers runs the Wan VAE in float32 in every reference pipeline; so do we.
-    vae = AutoencoderKLWan.from_pretrained(str(where), subfolder="vae", dtype=torch.float32, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(str(where), subfolder="tokenizer", **kw)
-    return Source(kind="", id="", revision=revision, transformer=transformer.eval(), text_encoder=text_encoder.eval(),
-                  vae=vae.eval(), tokenizer_json=_tokenizer_json(tokenizer), scheduler_config=dict(sched))
+    tokenizer = AutoTokenizer.from_pretrained(where, subfolder="tokenizer", revision=revision)
+    return Source(
+        kind="", id="", revision=revision, location=where, dtype=dtype,
+        transformer_config=dict(WanTransformer3DModel.load_config(where, subfolder="transformer", revision=revision)),
+        vae_config=dict(AutoencoderKLWan.load_config(where, subfolder="vae", revision=revision)),
+        text_encoder_config=UMT5Config.from_pretrained(where, subfolder="text_encoder", revision=revision).to_dict(),
+        scheduler_config=sched, tokenizer_json=_tokenizer_json(tokenizer))

@@ -17,19 +17,41 @@ from .torchax_compat import load_torchax
 
 @dataclass
 class Extracted:
-    """A module as (weights, fn): fn(weights, args, kwargs) is pure JAX."""
+    """A module as (weights, fn): fn(weights, args, kwargs) is pure JAX.
 
-    weights: dict[str, jax.Array]
+    `weights` are the module's own torch tensors (parameters, tied ones once, and
+    non-persistent buffers such as Wan's RoPE tables), not copies: export only needs
+    their shapes, and the weight writer streams them to disk, so a component costs
+    its own size in memory once.
+    """
+
+    weights: dict[str, Any]
     fn: Callable[..., Any]
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {k: torch_spec(v) for k, v in self.weights.items()}
 
 
 def extract(module: Any, attention: AttentionConfig) -> Extracted:
-    """torchax view of `module` with our attention installed; weights include non-persistent buffers."""
+    """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy)."""
     tx = load_torchax()
     env = tx.default_env()
     install(env, attention)
-    weights, fn = tx.extract_jax(module, env)
-    return Extracted(weights=dict(weights), fn=fn)
+    jm = tx.interop.JittableModule(module, dedup_parameters=True)
+
+    def fn(weights: dict[str, Any], args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
+        params = {k: weights[k] for k in jm.params}
+        buffers = {k: weights[k] for k in jm.buffers}
+        params, buffers, args, kwargs = env.j2t_iso((params, buffers, args, kwargs or {}))
+        with env:
+            res = jm.functional_call("forward", params, buffers, *args, **kwargs)
+        return env.t2j_iso(res)
+
+    return Extracted(weights={**jm.buffers, **jm.params}, fn=fn)
+
+
+def torch_spec(t: Any) -> TensorSpec:
+    return TensorSpec(shape=tuple(int(s) for s in t.shape), dtype=str(t.dtype).removeprefix("torch."))
 
 
 def abstract_mesh(target: Target) -> jax.sharding.AbstractMesh:
