@@ -10,7 +10,6 @@ model written with the `tokenizers` library.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +46,6 @@ _WORDS = (
     "flying dancing playing piano jazz club kitchen cake baking together garden video scene "
     "camera slow motion cinematic detailed high quality blurry low static"
 ).split()
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    name: str
-    config: dict[str, Any] = field(default_factory=dict)
 
 
 def tokenizer_json() -> str:
