@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
 from runtime import scheduler as sched
@@ -143,8 +144,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             module = src.load_transformer()
             ex = extract(module, s.attention)
             add_weights("transformer", ex.weights)
-            model_dtype = {"bf16": "bfloat16", "fp32": "float32"}[s.dtype]
-            add_program("denoise_step", "transformer", denoise.build(ex, order, np.dtype(_np_dtype(model_dtype))), {
+            model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
+            add_program("denoise_step", "transformer", denoise.build(ex, order, model_dtype), {
                 "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
                 "context": TensorSpec((n2, L, D), "float32"),
                 "timestep": TensorSpec((), "int32"),
@@ -192,12 +193,6 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _np_dtype(name: str) -> Any:
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
 
 
 def _replace(tmp: Path, out: Path) -> None:

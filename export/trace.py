@@ -28,9 +28,6 @@ class Extracted:
     weights: dict[str, Any]
     fn: Callable[..., Any]
 
-    def specs(self) -> dict[str, TensorSpec]:
-        return {k: torch_spec(v) for k, v in self.weights.items()}
-
 
 def extract(module: Any, attention: AttentionConfig) -> Extracted:
     """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy)."""
@@ -48,10 +45,6 @@ def extract(module: Any, attention: AttentionConfig) -> Extracted:
         return env.t2j_iso(res)
 
     return Extracted(weights={**jm.buffers, **jm.params}, fn=fn)
-
-
-def torch_spec(t: Any) -> TensorSpec:
-    return TensorSpec(shape=tuple(int(s) for s in t.shape), dtype=str(t.dtype).removeprefix("torch."))
 
 
 def abstract_mesh(target: Target) -> jax.sharding.AbstractMesh:
