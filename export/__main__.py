@@ -2,6 +2,8 @@
 
     python -m export --model tiny --resolution 64x64 --frames 9 --out artifacts/tiny
     python -m export --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --resolution 480p --out artifacts/wan-1.3b-480p
+    python -m export --model wan2.1-t2v-14b --no-weights --resolution 720p --target tpu-v6e-8 --out artifacts/14b
+    python -m export --attach-weights artifacts/14b --weights Wan-AI/Wan2.1-T2V-14B-Diffusers
 """
 
 from __future__ import annotations
@@ -17,26 +19,40 @@ from runtime import targets
 from runtime.errors import UserError
 
 from . import tiny
+from .architectures import ARCHITECTURES
 from .attention import AttentionConfig
+from .flash_tpu import FlashBlocks
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
-                   help=f"diffusers-format directory, hub id, or embedded model ({', '.join(tiny.VARIANTS)})")
+                   help=f"diffusers-format directory, hub id, architecture ({', '.join(ARCHITECTURES)}; "
+                        f"with --no-weights) or embedded model ({', '.join(tiny.VARIANTS)})")
+    p.add_argument("--no-weights", action="store_true",
+                   help="build the programs from the model's config alone; attach weights later")
+    p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
+                   help="instead of exporting: add the weights of --weights to this --no-weights bundle")
+    p.add_argument("--weights", metavar="SOURCE", help="checkpoint (directory or hub id) for --attach-weights")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
-    p.add_argument("--resolution", required=True, help="480p, 720p or WIDTHxHEIGHT (multiples of 16)")
+    p.add_argument("--resolution", help="480p, 720p or WIDTHxHEIGHT (multiples of 16)")
     p.add_argument("--frames", type=int, default=81, help="video frames, 4k+1 (default 81)")
     p.add_argument("--batch", type=int, default=1, help="videos per call (default 1)")
     p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)})")
+    p.add_argument("--mesh", default=None, help="override the preset's mesh, e.g. dp=2,sp=1,tp=4")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="text encoder and DiT dtype (the VAE always runs in fp32)")
     p.add_argument("--max-sequence-length", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--attention-block-q", type=int, default=AttentionConfig.block_q)
     p.add_argument("--attention-block-kv", type=int, default=AttentionConfig.block_kv)
-    p.add_argument("--out", required=True, type=Path, help="bundle directory to create (e.g. artifacts/NAME)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--flash-block-q", type=int, default=FlashBlocks.block_q, help="TPU kernel query block")
+    p.add_argument("--flash-block-kv", type=int, default=FlashBlocks.block_kv, help="TPU kernel key/value block")
+    p.add_argument("--flash-block-kv-compute", type=int, default=FlashBlocks.block_kv_compute,
+                   help="TPU kernel inner key/value block")
+    p.add_argument("--k-smoothing", action="store_true", help="TPU kernel: subtract K's mean (softmax-invariant)")
+    p.add_argument("--out", type=Path, help="bundle directory to create (e.g. artifacts/NAME)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (or weights already attached)")
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
@@ -60,25 +76,39 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
+        if args.attach_weights is not None:
+            return _attach(args)
         from .build import Settings, build_bundle, check_frames, parse_resolution
 
+        if args.resolution is None or args.out is None:
+            raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
         width, height = parse_resolution(args.resolution)
         frames = check_frames(args.frames)
         if args.batch < 1:
             raise UserError(f"--batch {args.batch} must be >= 1")
         if args.max_sequence_length < 1:
             raise UserError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
-        target = targets.get(args.target)
+        target = targets.resolve(args.target, args.mesh)
+        for name in ("flash_block_q", "flash_block_kv", "flash_block_kv_compute", "attention_block_q",
+                     "attention_block_kv"):
+            if getattr(args, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.flash_block_kv % args.flash_block_kv_compute:
+            raise UserError(f"--flash-block-kv {args.flash_block_kv} must be a multiple of "
+                            f"--flash-block-kv-compute {args.flash_block_kv_compute}")
         if args.out.exists() and not args.force:
             raise UserError(f"{args.out} already exists: choose another --out or pass --force to replace it")
         settings = Settings(width=width, height=height, frames=frames, batch=args.batch,
                             max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
-                            attention=AttentionConfig(block_q=args.attention_block_q,
-                                                      block_kv=args.attention_block_kv))
+                            attention=AttentionConfig(
+                                block_q=args.attention_block_q, block_kv=args.attention_block_kv,
+                                flash=FlashBlocks(args.flash_block_q, args.flash_block_kv,
+                                                  args.flash_block_kv_compute),
+                                k_smoothing=args.k_smoothing))
         from .source import load
 
         t0 = time.perf_counter()
-        src = load(args.model, args.dtype, args.revision)
+        src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)
         manifest = build_bundle(src, settings, args.out, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -86,8 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; no bundle was written", file=sys.stderr)
         return 130
-    logging.getLogger("export").info("wrote %s (bundle %s) in %.1f s", args.out, manifest.bundle_id,
-                                     time.perf_counter() - t0)
+    logging.getLogger("export").info("wrote %s (bundle %s%s) in %.1f s", args.out, manifest.bundle_id,
+                                     "" if manifest.has_weights else ", no weights", time.perf_counter() - t0)
+    return 0
+
+
+def _attach(args: argparse.Namespace) -> int:
+    from runtime import manifest as mf
+
+    from .attach import attach_weights
+    from .source import load
+
+    if not args.weights:
+        raise UserError("--attach-weights needs --weights SOURCE (a diffusers-format directory or hub id)")
+    t0 = time.perf_counter()
+    dtype = mf.read(args.attach_weights).dtype
+    manifest = attach_weights(args.attach_weights, load(args.weights, dtype, args.revision), force=args.force)
+    logging.getLogger("export").info("attached weights to %s (bundle %s) in %.1f s", args.attach_weights,
+                                     manifest.bundle_id, time.perf_counter() - t0)
     return 0
 
 

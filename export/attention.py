@@ -7,6 +7,12 @@ tokens at 480p, 75,600 at 720p), so the export replaces it with
 :func:`attention`: exact softmax attention for short sequences and a blocked
 online-softmax (flash-style) loop over key/value blocks for long ones, so the
 score matrix never exists whole. Ragged lengths are padded and the padding masked.
+
+In the DiT (``install(..., mesh=...)``) attention is also where the layout is
+pinned: it runs inside ``shard_map`` with heads over tp and the query sequence over
+sp for self-attention, or the query sequence over (tp, sp) with K/V replicated for
+cross-attention (export/sharding.py). On TPU targets the per-device computation is
+the Pallas flash kernel (export/flash_tpu.py), which can only run inside shard_map.
 """
 
 from __future__ import annotations
@@ -19,21 +25,37 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AbstractMesh
+
+from . import sharding
+from .flash_tpu import FlashBlocks, flash_attention
 
 _MASKED = -1e30
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Block sizes of the blocked path; sequences with q_len * kv_len <= direct_limit go direct."""
+    """How attention is computed.
+
+    kernel "xla": plain JAX, direct when q_len * kv_len <= direct_limit, else blocked
+    online softmax with (block_q, block_kv). kernel "pallas": the TPU flash kernel with
+    `flash` blocks (the seeds' 720p defaults) and optional K smoothing, DiT only.
+    """
 
     block_q: int = 1024
     block_kv: int = 1024
     direct_limit: int = 4096 * 4096
+    kernel: str = "xla"
+    flash: FlashBlocks = FlashBlocks()
+    k_smoothing: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"impl": "xla-blocked", "block_q": self.block_q, "block_kv": self.block_kv,
-                "direct_limit": self.direct_limit}
+        out: dict[str, Any] = {"impl": "xla-blocked", "block_q": self.block_q, "block_kv": self.block_kv,
+                               "direct_limit": self.direct_limit}
+        if self.kernel == "pallas":
+            out["dit"] = {"impl": "pallas-tpu-flash", "block_q": self.flash.block_q, "block_kv": self.flash.block_kv,
+                          "block_kv_compute": self.flash.block_kv_compute, "k_smoothing": self.k_smoothing}
+        return out
 
 
 def _direct(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, scale: float) -> jax.Array:
@@ -84,8 +106,12 @@ def _blocked(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, block_q: in
 
 def attention(query: jax.Array, key: jax.Array, value: jax.Array, attn_mask: jax.Array | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False, *, config: AttentionConfig = AttentionConfig()) -> jax.Array:
-    """`F.scaled_dot_product_attention` semantics on (B, H, S, D) arrays, fp32 accumulation."""
+              enable_gqa: bool = False, *, config: AttentionConfig = AttentionConfig(),
+              mesh: AbstractMesh | None = None) -> jax.Array:
+    """`F.scaled_dot_product_attention` semantics on (B, H, S, D) arrays, fp32 accumulation.
+
+    With `mesh` (the DiT), unmasked attention runs sharded over the mesh (see module doc).
+    """
     q, k, v = query, key, value
     if dropout_p:
         raise NotImplementedError("attention dropout is not supported in exported inference programs")
@@ -100,19 +126,50 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, attn_mask: jax
     if is_causal:
         causal = jnp.where(jnp.tril(jnp.ones((sq, sk), jnp.bool_)), 0.0, _MASKED)
         bias = causal if bias is None else bias + causal
-    if bias is not None or sq * sk <= config.direct_limit:
-        out = _direct(q, k, v, bias, scale)
+    if bias is not None:
+        return _direct(q, k, v, bias, scale).astype(q.dtype)
+    if mesh is not None:
+        return _sharded(q, k, v, scale, config, mesh)
+    return _local(q, k, v, scale, config)
+
+
+def _local(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: AttentionConfig) -> jax.Array:
+    """Unmasked attention on one device's arrays."""
+    if config.kernel == "pallas":
+        return flash_attention(q, k, v, scale=scale, blocks=config.flash, k_smoothing=config.k_smoothing)
+    if q.shape[-2] * k.shape[-2] <= config.direct_limit:
+        out = _direct(q, k, v, None, scale)
     else:
         out = _blocked(q, k, v, scale, config.block_q, config.block_kv)
     return out.astype(q.dtype)
 
 
-def install(env: Any, config: AttentionConfig) -> None:
-    """Route torch SDPA (functional and aten) inside torchax `env` to :func:`attention`."""
+def _sharded(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: AttentionConfig,
+             mesh: AbstractMesh) -> jax.Array:
+    """DiT attention inside shard_map: self-attention split on heads (tp) and queries (sp); cross-attention
+    (kv length != q length) on queries over (tp, sp) with K/V whole, queries padded to divide."""
+    local = functools.partial(_local, scale=scale, config=config)
+    sq = q.shape[2]
+    if k.shape[2] == sq:
+        q_spec, kv_spec = sharding.SELF_Q, sharding.SELF_KV
+    else:
+        q_spec, kv_spec = sharding.CROSS_Q, sharding.CROSS_KV
+        split = mesh.shape["tp"] * mesh.shape["sp"]
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, -sq % split), (0, 0)))
+    out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                        check_vma=False)(q, k, v)
+    return out[:, :, :sq]
+
+
+def install(env: Any, config: AttentionConfig, mesh: AbstractMesh | None = None) -> None:
+    """Route torch SDPA (functional and aten) inside torchax `env` to :func:`attention`.
+
+    `mesh` is given for the DiT only: its attention is pinned to the mesh layout.
+    """
     import torch
     from torchax.ops import ops_registry
 
-    impl = functools.partial(attention, config=config)
+    impl = functools.partial(attention, config=config, mesh=mesh)
     for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
                                              needs_env=False, is_view_op=False)

@@ -6,6 +6,7 @@ at the end, so an interrupted export never leaves a bundle that looks complete.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -18,17 +19,30 @@ from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from runtime import scheduler as sched
 from runtime.errors import UserError
-from runtime.manifest import (MANIFEST_FILE, SCHEMA_VERSION, Defaults, FileRef, Geometry, Manifest, ProgramSpec,
-                              Target, TensorSpec, WeightFile, canonical_json, sha256_file)
+from runtime.manifest import (
+    MANIFEST_FILE,
+    SCHEMA_VERSION,
+    Defaults,
+    FileRef,
+    Geometry,
+    Manifest,
+    ProgramSpec,
+    Target,
+    TensorSpec,
+    WeightFile,
+    canonical_json,
+    sha256_file,
+)
 
-from . import denoise, text_encoder, vae_decode
+from . import denoise, sharding, text_encoder, vae_decode
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .source import Source
-from .trace import extract, export_program
+from .trace import Extracted, abstract_mesh, export_program, extract
 
 log = logging.getLogger("export")
 
@@ -96,34 +110,79 @@ def versions() -> dict[str, str]:
     return out
 
 
+# Weight group -> partition-rule family (export/sharding.py).
+FAMILIES = {"text_encoder": "umt5", "transformer": "wan_transformer", "vae": "wan_vae"}
+
+
+def attention_for(target: Target, base: AttentionConfig) -> AttentionConfig:
+    """TPU targets run the DiT's attention in the Pallas flash kernel; other platforms in plain JAX."""
+    return dataclasses.replace(base, kernel="pallas" if target.platform == "tpu" else "xla")
+
+
+def dit_shape(src: Source, geo: Geometry) -> sharding.DitShape:
+    cfg = src.transformer_config
+    _, ph, pw = cfg["patch_size"]
+    tokens = geo.latent_frames * (geo.latent_height // ph) * (geo.latent_width // pw)
+    return sharding.DitShape(heads=int(cfg["num_attention_heads"]), tokens=tokens, batch=2 * geo.batch)
+
+
+def load_component(src: Source, group: str, attention: AttentionConfig, mesh: Any = None) -> tuple[Any, Extracted]:
+    """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
+
+    Only the DiT runs the TPU kernel (sharded over `mesh`); the text encoder and VAE use XLA attention.
+    """
+    if group != "transformer":
+        attention = dataclasses.replace(attention, kernel="xla")
+    if group == "text_encoder":
+        module = src.load_text_encoder()
+        return module, extract(module, attention)
+    if group == "transformer":
+        module = src.load_transformer()
+        return module, extract(module, attention, mesh, {r"blocks\.\d+": sharding.DIT_HIDDEN})
+    if group == "vae":
+        module = src.load_vae()
+        return module, extract(vae_decode.decoder_module(module), attention)
+    raise KeyError(group)
+
+
 def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Manifest:
-    """Export every stage of `src` for `s` into the bundle directory `out`."""
+    """Export every stage of `src` for `s` into the bundle directory `out` (weights only if src has them)."""
     import torch
 
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
     geo = geometry(src, s)
+    sharding.check_dit(s.target, dit_shape(src, geo), src.id)
     sched_cfg = sched.config_from_diffusers(src.scheduler_config)
     order = sched_cfg.solver_order
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for sub in ("stages", "weights", "tokenizer"):
-        (tmp / sub).mkdir(parents=True)
+    attention = attention_for(s.target, s.attention)
+    mesh = abstract_mesh(s.target)
+    tmp = _fresh_tmp(out)
     try:
         programs: dict[str, ProgramSpec] = {}
         weight_files: dict[str, WeightFile] = {}
+        partitions: dict[str, dict[str, PartitionSpec]] = {}
 
-        def add_weights(group: str, weights: dict[str, Any]) -> dict[str, TensorSpec]:
-            log.info("writing %s weights", group)
-            rel = f"weights/{group}.safetensors"
-            tensors = weight_writer.write(tmp / rel, weights)
-            weight_files[group] = WeightFile(file=rel, sha256=sha256_file(tmp / rel), tensors=tensors)
-            return tensors
+        def add_weights(group: str, weights: dict[str, Any]) -> None:
+            tensors = {k: weight_writer.spec(t) for k, t in weights.items()}
+            partitions[group] = {k: sharding.partition(FAMILIES[group], k, t.shape, s.target.mesh)
+                                 for k, t in tensors.items()}
+            file = sha = None
+            if src.weights:
+                log.info("writing %s weights", group)
+                file = f"weights/{group}.safetensors"
+                weight_writer.write(tmp / file, weights)
+                sha = sha256_file(tmp / file)
+            weight_files[group] = WeightFile(file=file, sha256=sha, tensors=dict(sorted(tensors.items())),
+                                             partition={k: sharding.spec_to_json(p)
+                                                        for k, p in sorted(partitions[group].items())})
 
-        def add_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str]) -> None:
+        def add_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str],
+                        input_partition: dict[str, PartitionSpec] | None = None,
+                        output_partition: Any = PartitionSpec()) -> None:
             log.info("exporting %s", name)
-            blob, outs = export_program(fn, weight_files[group].tensors, inputs, outputs, s.target)
+            blob, outs = export_program(fn, weight_files[group].tensors, partitions[group], inputs,
+                                        input_partition or {}, outputs, output_partition, s.target)
             rel = f"stages/{name}.jaxexport"
             (tmp / rel).write_bytes(blob)
             programs[name] = ProgramSpec(file=rel, sha256=sha256_file(tmp / rel), weights=group,
@@ -132,8 +191,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
             n2, L, D = 2 * geo.batch, geo.max_sequence_length, geo.text_dim
-            module = src.load_text_encoder()
-            ex = extract(module, s.attention)
+            module, ex = load_component(src, "text_encoder", attention)
             add_weights("text_encoder", ex.weights)
             add_program("text_encoder", "text_encoder", text_encoder.build(ex),
                         {"ids": TensorSpec((n2, L), "int32"), "mask": TensorSpec((n2, L), "int32")},
@@ -141,8 +199,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             del module, ex
             gc.collect()
 
-            module = src.load_transformer()
-            ex = extract(module, s.attention)
+            module, ex = load_component(src, "transformer", attention, mesh)
             add_weights("transformer", ex.weights)
             model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
             add_program("denoise_step", "transformer", denoise.build(ex, order, model_dtype), {
@@ -151,51 +208,71 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                 "timestep": TensorSpec((), "int32"),
                 "guidance": TensorSpec((), "float32"),
                 "row": TensorSpec((sched.row_size(order),), "float32"),
-            }, ["state", "finite"])
+            }, ["state", "finite"], {"context": PartitionSpec("dp")})
             del module, ex
             gc.collect()
 
-            vae = src.load_vae()
-            dec = vae_decode.decoder_module(vae)
+            vae, ex = load_component(src, "vae", attention)
             caches = vae_decode.cache_specs(vae, (geo.latent_height, geo.latent_width), geo.batch)
-            ex = extract(dec, s.attention)
             add_weights("vae", ex.weights)
             chunk = TensorSpec((geo.batch, geo.latent_channels, 1, geo.latent_height, geo.latent_width), "float32")
             cache_inputs = {f"cache_{i:02d}": c for i, c in enumerate(caches) if c is not None}
             cache_outputs = list(cache_inputs)
+            # Activations split on width over all devices; frames come back whole (host 0 writes the video).
+            split = {k: sharding.width_split(c.shape, s.target.mesh) for k, c in {"latents": chunk,
+                                                                                  **cache_inputs}.items()}
+            out_split = (PartitionSpec(), [split[k] for k in cache_outputs])
             add_program("vae_decode_first", "vae", vae_decode.build(vae, ex.fn, caches, first=True),
-                        {"latents": chunk}, ["frames", *cache_outputs])
+                        {"latents": chunk}, ["frames", *cache_outputs], split, out_split)
             if geo.latent_frames > 1:
                 add_program("vae_decode_next", "vae", vae_decode.build(vae, ex.fn, caches, first=False),
-                            {"latents": chunk, **cache_inputs}, ["frames", *cache_outputs])
-            del vae, dec, ex
+                            {"latents": chunk, **cache_inputs}, ["frames", *cache_outputs], split, out_split)
+            del vae, ex
             gc.collect()
 
-        (tmp / "tokenizer/tokenizer.json").write_text(src.tokenizer_json)
-        flow_shift = sched_cfg.flow_shift
+        tokenizer = None
+        if src.tokenizer_json is not None and src.weights:
+            tokenizer = write_tokenizer(tmp, src.tokenizer_json)
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             source=src.describe(),
             geometry=geo,
             target=s.target,
-            defaults=Defaults(steps=50, guidance=5.0, flow_shift=flow_shift, fps=16),
+            defaults=Defaults(steps=50, guidance=5.0, flow_shift=sched_cfg.flow_shift, fps=16),
             scheduler=sched_cfg.to_json(),
             dtype=s.dtype,
-            attention=s.attention.to_json(),
+            attention=attention.to_json(),
             programs=programs,
             weights=weight_files,
-            tokenizer=FileRef("tokenizer/tokenizer.json", sha256_file(tmp / "tokenizer/tokenizer.json")),
+            tokenizer=tokenizer,
             versions=versions(),
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
-        _replace(tmp, out)
+        replace_dir(tmp, out)
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _replace(tmp: Path, out: Path) -> None:
+def write_tokenizer(bundle: Path, tokenizer_json: str) -> FileRef:
+    rel = "tokenizer/tokenizer.json"
+    (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
+    (bundle / rel).write_text(tokenizer_json)
+    return FileRef(rel, sha256_file(bundle / rel))
+
+
+def _fresh_tmp(out: Path) -> Path:
+    """An empty temporary sibling of `out` (same filesystem, so the final rename is atomic)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for sub in ("stages", "weights", "tokenizer"):
+        (tmp / sub).mkdir(parents=True)
+    return tmp
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished bundle into place (the old one, with --force, goes only after)."""
     if out.exists():
         trash = out.parent / f".{out.name}.old-{os.getpid()}"

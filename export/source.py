@@ -1,7 +1,9 @@
-"""Loading a diffusers-format Wan 2.1 T2V checkpoint (directory, hub id, or the embedded tiny model)."""
+"""Loading a diffusers-format Wan 2.1 T2V checkpoint (directory, hub id, the embedded tiny model),
+or only its architecture (a named official one, or any checkpoint's configs) for a bundle without weights."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import tempfile
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from typing import Any
 from runtime.errors import UserError
 from runtime.scheduler import unsupported_reason
 
-from . import tiny
+from . import architectures, tiny
 
 
 @dataclass
@@ -22,17 +24,18 @@ class Source:
     time (the real text encoder alone is 11 GB in bf16).
     """
 
-    kind: str  # "tiny" | "directory" | "hub"
+    kind: str  # "tiny" | "directory" | "hub" | "architecture"
     id: str
     revision: str | None
-    location: str
+    location: str | None
     dtype: str  # "bf16" | "fp32": text encoder and DiT
     transformer_config: dict[str, Any]
     vae_config: dict[str, Any]
     text_encoder_config: dict[str, Any]
     scheduler_config: dict[str, Any]
-    tokenizer_json: str
+    tokenizer_json: str | None
     keepalive: Any = None  # a TemporaryDirectory for the embedded model
+    weights: bool = True  # False: components are built on `meta` from their configs (shapes only)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -55,12 +58,17 @@ class Source:
     def load_transformer(self) -> Any:
         from diffusers import WanTransformer3DModel
 
+        if not self.weights:
+            return _empty(lambda: WanTransformer3DModel(**_init_args(self.transformer_config)), self._torch_dtype())
         return WanTransformer3DModel.from_pretrained(self.location, subfolder="transformer", revision=self.revision,
                                                      dtype=self._torch_dtype()).eval()
 
     def load_text_encoder(self) -> Any:
-        from transformers import UMT5EncoderModel
+        from transformers import UMT5Config, UMT5EncoderModel
 
+        if not self.weights:
+            config = UMT5Config(**_init_args(self.text_encoder_config))
+            return _empty(lambda: UMT5EncoderModel(config), self._torch_dtype())
         return UMT5EncoderModel.from_pretrained(self.location, subfolder="text_encoder", revision=self.revision,
                                                 dtype=self._torch_dtype()).eval()
 
@@ -69,8 +77,36 @@ class Source:
         from diffusers import AutoencoderKLWan
 
         # diffusers runs the Wan VAE in float32 in every reference pipeline; so do we.
+        if not self.weights:
+            return _empty(lambda: AutoencoderKLWan(**_init_args(self.vae_config)), torch.float32)
         return AutoencoderKLWan.from_pretrained(self.location, subfolder="vae", revision=self.revision,
                                                 dtype=torch.float32).eval()
+
+
+def _empty(build: Any, dtype: Any) -> Any:
+    """The module with parameters on `meta` (no memory) and real buffers (RoPE tables are computed in
+    __init__ and are not in checkpoints), cast like `from_pretrained(dtype=...)` casts, including the
+    model's keep-in-fp32 modules."""
+    import torch
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        module = build()
+    keep = getattr(module, "_keep_in_fp32_modules", None) or []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_floating_point():
+            want = torch.float32 if dtype == torch.float32 or any(k in name for k in keep) else dtype
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner)
+            if leaf in sub._parameters:
+                sub._parameters[leaf] = torch.nn.Parameter(t.to(want), requires_grad=False)
+            else:
+                sub._buffers[leaf] = t.to(want)
+    return module.eval()
+
+
+def _init_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
 def _plain(cfg: Any) -> Any:
@@ -93,8 +129,26 @@ def _tokenizer_json(tokenizer: Any) -> str:
     return clean.to_str()
 
 
-def load(model: str, dtype: str, revision: str | None = None) -> Source:
-    """Open `model` (a tiny variant name, a directory, or a hub id); components load later, one at a time."""
+def load(model: str, dtype: str, revision: str | None = None, weights: bool = True) -> Source:
+    """Open `model` (a tiny variant name, an architecture name, a directory, or a hub id); components load
+    later, one at a time. With weights=False they are built from the configs on `meta`."""
+    src = _open(model, dtype, revision)
+    if not weights:
+        src.weights = False
+    elif src.kind == "architecture":
+        raise UserError(f"{model} is an architecture name without weights: pass --no-weights to build its "
+                        f"programs, then attach weights with --attach-weights BUNDLE --weights "
+                        f"{architectures.ARCHITECTURES[model]['hub_id']} (or a local copy)")
+    return src
+
+
+def _open(model: str, dtype: str, revision: str | None) -> Source:
+    if model in architectures.ARCHITECTURES:
+        arch = architectures.ARCHITECTURES[model]
+        return Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
+                      transformer_config=_full_config("transformer", arch["transformer"]),
+                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
+                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False)
     if model in tiny.VARIANTS:
         tmp = tempfile.TemporaryDirectory(prefix="wan-aot-tiny-")
         src = _open_diffusers(str(tiny.save(model, Path(tmp.name))), dtype, None)
@@ -109,14 +163,20 @@ def load(model: str, dtype: str, revision: str | None = None) -> Source:
         return src
     if model.count("/") != 1 or model.startswith((".", "/")):
         raise UserError(f"unknown model {model!r}: pass a diffusers-format directory, a hub id such as "
-                        f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or one of {', '.join(tiny.VARIANTS)}")
+                        f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers, an architecture name "
+                        f"({', '.join(architectures.ARCHITECTURES)}) or one of {', '.join(tiny.VARIANTS)}")
     src = _open_diffusers(model, dtype, revision)
     src.kind, src.id = "hub", model
     return src
 
 
 def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
-    from diffusers import AutoencoderKLWan, DiffusionPipeline, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        DiffusionPipeline,
+        UniPCMultistepScheduler,
+        WanTransformer3DModel,
+    )
     from transformers import AutoTokenizer, UMT5Config
 
     index = DiffusionPipeline.load_config(where, revision=revision)
@@ -135,3 +195,13 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
         vae_config=dict(AutoencoderKLWan.load_config(where, subfolder="vae", revision=revision)),
         text_encoder_config=UMT5Config.from_pretrained(where, subfolder="text_encoder", revision=revision).to_dict(),
         scheduler_config=sched, tokenizer_json=_tokenizer_json(tokenizer))
+
+
+def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The complete diffusers config (defaults filled in) of a component built from `args`."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    cls = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan}[component]
+    params = inspect.signature(cls.__init__).parameters.values()
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return {**defaults, **args, "_class_name": cls.__name__}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec
 
 from runtime.manifest import Target, TensorSpec
 
@@ -29,11 +31,22 @@ class Extracted:
     fn: Callable[..., Any]
 
 
-def extract(module: Any, attention: AttentionConfig) -> Extracted:
-    """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy)."""
+def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None = None,
+            constraints: dict[str, PartitionSpec] | None = None) -> Extracted:
+    """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy).
+
+    With `mesh`, attention is pinned to the DiT layout and `constraints` maps submodule-name
+    patterns to the PartitionSpec of their first input (e.g. every transformer block's
+    hidden states), so the sharding survives the trip through torch code.
+    """
     tx = load_torchax()
     env = tx.default_env()
-    install(env, attention)
+    install(env, attention, mesh)
+    if mesh is not None:
+        for pattern, spec in (constraints or {}).items():
+            for name, sub in module.named_modules():
+                if re.fullmatch(pattern, name):
+                    sub.register_forward_pre_hook(_constrain_first_input(env, NamedSharding(mesh, spec)))
     jm = tx.interop.JittableModule(module, dedup_parameters=True)
 
     def fn(weights: dict[str, Any], args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
@@ -47,10 +60,22 @@ def extract(module: Any, attention: AttentionConfig) -> Extracted:
     return Extracted(weights={**jm.buffers, **jm.params}, fn=fn)
 
 
-def abstract_mesh(target: Target) -> jax.sharding.AbstractMesh:
+def _constrain_first_input(env: Any, sharding: NamedSharding) -> Callable[..., Any]:
+    def hook(module: Any, args: tuple) -> tuple:
+        x = jax.lax.with_sharding_constraint(env.t2j_iso(args[0]), sharding)
+        return (env.j2t_iso(x), *args[1:])
+
+    return hook
+
+
+def abstract_mesh(target: Target) -> AbstractMesh:
+    """The target's mesh without devices (TPU targets carry their device kind), so no TPU is needed."""
     names = tuple(target.mesh)
     sizes = tuple(target.mesh[n] for n in names)
-    return jax.sharding.AbstractMesh(sizes, names)
+    device = None
+    if target.device_kind:
+        device = AbstractDevice(device_kind=target.device_kind, num_cores=None, platform=target.platform)
+    return AbstractMesh(sizes, names, abstract_device=device)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -67,19 +92,23 @@ def sds(spec: TensorSpec) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(spec.shape, np.dtype(spec.dtype))
 
 
-def export_program(fn: Callable[..., Any], weight_specs: dict[str, TensorSpec], inputs: dict[str, TensorSpec],
-                   output_names: list[str], target: Target) -> tuple[bytes, dict[str, TensorSpec]]:
+def export_program(fn: Callable[..., Any], weight_specs: dict[str, TensorSpec],
+                   weight_partition: dict[str, PartitionSpec], inputs: dict[str, TensorSpec],
+                   input_partition: dict[str, PartitionSpec], output_names: list[str], output_partition: Any,
+                   target: Target) -> tuple[bytes, dict[str, TensorSpec]]:
     """Export fn(weights, *inputs) for `target`; returns (serialized program, output specs).
 
-    Everything is laid out replicated over the target mesh; the program's shardings
-    are recorded against an AbstractMesh, so no device of the target platform is needed.
+    Shardings are recorded against an AbstractMesh, so no device of the target platform
+    is needed. `output_partition` is a PartitionSpec pytree prefix of fn's outputs.
     """
     mesh = abstract_mesh(target)
-    replicated = NamedSharding(mesh, PartitionSpec())
     w_sds = {k: sds(v) for k, v in weight_specs.items()}
     in_sds = [sds(v) for v in inputs.values()]
-    in_shardings = (jax.tree.map(lambda _: replicated, w_sds), *[replicated for _ in in_sds])
-    jitted = jax.jit(fn, in_shardings=in_shardings)
+    w_shardings = {k: NamedSharding(mesh, weight_partition.get(k, PartitionSpec())) for k in w_sds}
+    x_shardings = [NamedSharding(mesh, input_partition.get(k, PartitionSpec())) for k in inputs]
+    out_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), output_partition,
+                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+    jitted = jax.jit(fn, in_shardings=(w_shardings, *x_shardings), out_shardings=out_shardings)
     exported = jax.export.export(jitted, platforms=(target.platform,))(w_sds, *in_sds)
     outs = exported.out_avals
     if len(outs) != len(output_names):

@@ -11,7 +11,8 @@ compile time and memory do not grow with the frame count.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -30,6 +30,11 @@ def _raw(t: Any) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def spec(t: Any) -> TensorSpec:
+    """The TensorSpec of a torch tensor (also of a `meta` one)."""
+    return TensorSpec(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+
+
 def write(path: Path, tensors: dict[str, Any]) -> dict[str, TensorSpec]:
     """Write torch tensors to `path` in safetensors format; returns their specs by name."""
     names = sorted(tensors)
@@ -43,7 +48,7 @@ def write(path: Path, tensors: dict[str, Any]) -> dict[str, TensorSpec]:
             raise TypeError(f"cannot store {name} of dtype {dtype} in safetensors")
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        specs[name] = TensorSpec(tuple(int(s) for s in t.shape), dtype)
+        specs[name] = spec(t)
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)

@@ -10,4 +10,4 @@ from .errors import BundleError, UserError
 from .pipeline import Pipeline, load
 from .video import write_video
 
-__all__ = ["load", "Pipeline", "write_video", "UserError", "BundleError"]
+__all__ = ["BundleError", "Pipeline", "UserError", "load", "write_video"]

@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import BundleError
 
-SCHEMA_VERSION = 1
+# 2: target device_kind, per-tensor partition specs, bundles whose weights are attached later.
+SCHEMA_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 
 
@@ -34,7 +37,7 @@ class TensorSpec:
         return {"shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "TensorSpec":
+    def from_json(cls, d: dict[str, Any]) -> TensorSpec:
         return cls(shape=tuple(int(s) for s in d["shape"]), dtype=str(d["dtype"]))
 
 
@@ -57,9 +60,14 @@ class ProgramSpec:
 
 @dataclass(frozen=True)
 class WeightFile:
-    file: str
-    sha256: str
+    """One component's weights. `partition` is each tensor's PartitionSpec over the target mesh, as
+    JSON (None, an axis name, or a list of axis names per dimension). `file` and `sha256` are None
+    in a bundle exported with --no-weights until weights are attached."""
+
+    file: str | None
+    sha256: str | None
     tensors: dict[str, TensorSpec]
+    partition: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class Target:
     name: str
     platform: str
     mesh: dict[str, int]
+    device_kind: str = ""  # e.g. "TPU v6 lite"; recorded in the programs' abstract mesh
 
     @property
     def num_devices(self) -> int:
@@ -124,20 +133,25 @@ class Manifest:
     attention: dict[str, Any]
     programs: dict[str, ProgramSpec]
     weights: dict[str, WeightFile]
-    tokenizer: FileRef
+    tokenizer: FileRef | None
     versions: dict[str, str]
     bundle_id: str = ""
 
     def files(self) -> list[FileRef]:
         refs = [FileRef(p.file, p.sha256) for p in self.programs.values()]
-        refs += [FileRef(w.file, w.sha256) for w in self.weights.values()]
-        refs.append(self.tokenizer)
+        refs += [FileRef(w.file, w.sha256) for w in self.weights.values() if w.file is not None]
+        if self.tokenizer is not None:
+            refs.append(self.tokenizer)
         return refs
+
+    @property
+    def has_weights(self) -> bool:
+        return self.tokenizer is not None and all(w.file is not None for w in self.weights.values())
 
     def to_json(self) -> dict[str, Any]:
         return _encode(self)
 
-    def with_id(self) -> "Manifest":
+    def with_id(self) -> Manifest:
         """The manifest with `bundle_id` set to the sha256 of its own canonical content."""
         body = self.to_json()
         body.pop("bundle_id", None)
@@ -145,7 +159,7 @@ class Manifest:
         return dataclasses.replace(self, bundle_id=digest[:16])
 
     @classmethod
-    def from_json(cls, d: Any) -> "Manifest":
+    def from_json(cls, d: Any) -> Manifest:
         if not isinstance(d, dict):
             raise BundleError("manifest.json is not a JSON object: re-export the bundle")
         version = d.get("schema_version")
@@ -174,8 +188,6 @@ def _encode(obj: Any) -> Any:
 
 
 def _decode(tp: Any, value: Any) -> Any:
-    import typing
-
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise TypeError(f"{tp.__name__} must be an object")
@@ -189,6 +201,11 @@ def _decode(tp: Any, value: Any) -> Any:
         return tp(**kwargs)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _decode(inner, value)
     if origin is dict:
         if not isinstance(value, dict):
             raise TypeError("expected an object")

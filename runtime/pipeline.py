@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,8 @@ class Pipeline:
             if key not in embeds:
                 raise UserError(f"embeds has no {key!r}")
             if tuple(np.shape(embeds[key])) != g.embeds_shape:
-                raise UserError(f"{key} has shape {list(np.shape(embeds[key]))}, this bundle needs {list(g.embeds_shape)}")
+                raise UserError(f"{key} has shape {list(np.shape(embeds[key]))}, "
+                                f"this bundle needs {list(g.embeds_shape)}")
         if latents is None:
             latents = self.initial_latents(s.seed)
         latents = np.asarray(latents, np.float32)

@@ -50,7 +50,7 @@ class UniPCConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "UniPCConfig":
+    def from_json(cls, d: dict[str, Any]) -> UniPCConfig:
         d = dict(d)
         d["disable_corrector"] = tuple(d.get("disable_corrector", ()))
         return cls(**d)

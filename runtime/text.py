@@ -27,7 +27,7 @@ class PromptTokenizer:
     max_length: int
 
     @classmethod
-    def from_file(cls, path: Path, max_length: int) -> "PromptTokenizer":
+    def from_file(cls, path: Path, max_length: int) -> PromptTokenizer:
         tok = Tokenizer.from_file(str(path))
         pad = tok.token_to_id("<pad>")
         tok.enable_truncation(max_length=max_length)

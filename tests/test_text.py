@@ -24,9 +24,9 @@ def test_clean_matches_diffusers() -> None:
 
 @pytest.mark.parametrize("max_length", [8, 32])
 def test_ids_match_transformers(checkpoints, tmp_path, max_length: int) -> None:
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
     from transformers import AutoTokenizer
 
-    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
     from export.source import _tokenizer_json
 
     ref = AutoTokenizer.from_pretrained(str(checkpoints["tiny"] / "tokenizer"))

@@ -1,0 +1,83 @@
+"""Attach weights to a bundle exported with --no-weights.
+
+Programs depend only on shapes, dtypes and shardings, so they can be built from an
+architecture name on any machine, and the (large) weights added later from the real
+checkpoint. Every tensor must match the manifest's name, shape and dtype exactly,
+so weights from another architecture or dtype are refused before anything is written.
+The result is written beside the bundle and swapped in only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import shutil
+from pathlib import Path
+
+from runtime import manifest as mf
+from runtime.errors import UserError
+
+from . import weights as weight_writer
+from .attention import AttentionConfig
+from .build import FAMILIES, load_component, replace_dir, write_tokenizer
+from .source import Source
+
+log = logging.getLogger("export")
+
+
+def attach_weights(bundle: Path, src: Source, force: bool = False) -> mf.Manifest:
+    """Write `src`'s weights and tokenizer into `bundle` (a --no-weights bundle, or any bundle with force)."""
+    import torch
+
+    manifest = mf.read(bundle)
+    if manifest.has_weights and not force:
+        raise UserError(f"{bundle} already has weights: pass --force to replace them")
+    if src.dtype != manifest.dtype:
+        raise UserError(f"internal: source dtype {src.dtype} != bundle dtype {manifest.dtype}")
+    if src.tokenizer_json is None:
+        raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
+    tmp = bundle.parent / f".{bundle.name}.attach-partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(bundle, tmp, ignore=shutil.ignore_patterns("weights"))
+        (tmp / "weights").mkdir(exist_ok=True)
+        files: dict[str, mf.WeightFile] = {}
+        with torch.no_grad():
+            for group, wf in manifest.weights.items():
+                if group not in FAMILIES:
+                    raise UserError(f"{bundle} lists an unknown weight group {group!r}: re-export it")
+                module, ex = load_component(src, group, AttentionConfig())
+                got = {k: weight_writer.spec(t) for k, t in ex.weights.items()}
+                _check_same(group, wf.tensors, got, src.id)
+                rel = f"weights/{group}.safetensors"
+                log.info("writing %s weights", group)
+                weight_writer.write(tmp / rel, ex.weights)
+                files[group] = dataclasses.replace(wf, file=rel, sha256=mf.sha256_file(tmp / rel))
+                del module, ex
+                gc.collect()
+        tokenizer = write_tokenizer(tmp, src.tokenizer_json)
+        described = src.describe()
+        source = {**manifest.source, "weights": {"kind": described["kind"], "id": described["id"],
+                                                 "revision": described["revision"]}}
+        new = dataclasses.replace(manifest, weights=files, tokenizer=tokenizer, source=source).with_id()
+        (tmp / mf.MANIFEST_FILE).write_text(mf.canonical_json(new.to_json()))
+        replace_dir(tmp, bundle)
+        return new
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_same(group: str, want: dict[str, mf.TensorSpec], got: dict[str, mf.TensorSpec], source: str) -> None:
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise UserError(f"{source}'s {group} does not match the bundle's architecture ({what}"
+                        f"{' ...' if len(missing or extra) > 3 else ''}): attach weights of the model it was built for")
+    for name in sorted(want):
+        if want[name] != got[name]:
+            w, g = want[name], got[name]
+            raise UserError(f"{source}'s {group} tensor {name} is {g.dtype}{list(g.shape)} but the bundle expects "
+                            f"{w.dtype}{list(w.shape)}: attach weights of the model and dtype it was built for")

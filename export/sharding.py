@@ -1,0 +1,144 @@
+"""How each model family is laid out on the (dp, sp, tp) mesh: one table of rules per family.
+
+Weights: a rule maps a tensor-name pattern to a partition per dimension (first match
+wins). Activations: the few constraints the programs pin (DiT blocks, attention,
+stage inputs/outputs) are here too, so the whole layout reads in one place.
+From DESIGN.md section 5 and the seeds:
+
+- DiT (Megatron style over tp): q/k/v and FFN-up column-parallel, out-proj and
+  FFN-down row-parallel; the CFG cond/uncond batch over dp; self-attention heads over
+  tp and query sequence over sp; cross-attention query sequence over (tp, sp) with
+  K/V replicated (512 text tokens are cheap to gather).
+- Text encoder (UMT5): FSDP, every weight split over all devices on its first
+  dimension that divides (gathered on use).
+- VAE: weights replicated; activations split on width over all devices.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from runtime.errors import UserError
+from runtime.manifest import Target
+
+ALL = ("dp", "sp", "tp")  # every device, in mesh order
+FSDP = "fsdp"  # rule marker: split over ALL on the first dimension that divides
+REPLICATED: tuple = ()
+
+_BLOCK = r"blocks\.\d+\."
+RULES: dict[str, list[tuple[str, Any]]] = {
+    "wan_transformer": [
+        (_BLOCK + r"attn[12]\.to_[qkv]\.weight", ("tp", None)),  # column-parallel (out, in)
+        (_BLOCK + r"attn[12]\.to_[qkv]\.bias", ("tp",)),
+        (_BLOCK + r"attn[12]\.norm_[qk]\.weight", ("tp",)),  # RMS norm across heads: follows q/k columns
+        (_BLOCK + r"attn[12]\.to_out\.0\.weight", (None, "tp")),  # row-parallel
+        (_BLOCK + r"ffn\.net\.0\.proj\.weight", ("tp", None)),
+        (_BLOCK + r"ffn\.net\.0\.proj\.bias", ("tp",)),
+        (_BLOCK + r"ffn\.net\.2\.weight", (None, "tp")),
+        (r".*", REPLICATED),  # embedders, norms, modulation tables, proj_out, RoPE tables, biases after a reduce
+    ],
+    "umt5": [(r".*", FSDP)],
+    "wan_vae": [(r".*", REPLICATED)],
+}
+
+# Activations inside the DiT (B here is 2 x batch: cond and uncond).
+DIT_HIDDEN = PartitionSpec("dp", "sp", None)  # (B, S, dim) entering each transformer block
+SELF_Q = PartitionSpec("dp", "tp", "sp", None)  # (B, heads, S, head_dim)
+SELF_KV = PartitionSpec("dp", "tp", None, None)
+CROSS_Q = PartitionSpec("dp", None, ("tp", "sp"), None)
+CROSS_KV = PartitionSpec("dp", None, None, None)
+
+
+def _axis_size(mesh: dict[str, int], entry: Any) -> int:
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    n = 1
+    for a in names:
+        n *= mesh[a]
+    return n
+
+
+def partition(family: str, name: str, shape: tuple[int, ...], mesh: dict[str, int]) -> PartitionSpec:
+    """The PartitionSpec of weight `name` of `family` (dimensions that don't divide stay whole)."""
+    rule = next(r for pattern, r in RULES[family] if re.fullmatch(pattern, name))  # tables end with ".*"
+    n_all = _axis_size(mesh, ALL)
+    if rule == FSDP:
+        for dim, size in enumerate(shape):
+            if n_all > 1 and size % n_all == 0:
+                return PartitionSpec(*([None] * dim), ALL)
+        return PartitionSpec()
+    spec = list(rule)[: len(shape)]
+    spec = [e if e is not None and shape[i] % _axis_size(mesh, e) == 0 else None for i, e in enumerate(spec)]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def spec_to_json(spec: PartitionSpec) -> list[Any]:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_json(data: list[Any]) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in data])
+
+
+def width_split(shape: tuple[int, ...], mesh: dict[str, int], dim: int = -1) -> PartitionSpec:
+    """VAE activations: dimension `dim` (width) over every device if it divides, else replicated."""
+    n_all = _axis_size(mesh, ALL)
+    dim = dim % len(shape)
+    if n_all == 1 or shape[dim] % n_all:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * dim), ALL)
+
+
+def named(mesh: AbstractMesh, spec: PartitionSpec) -> NamedSharding:
+    return NamedSharding(mesh, spec)
+
+
+@dataclass(frozen=True)
+class DitShape:
+    """What the mesh must divide in the DiT: attention heads, tokens per sample, CFG batch."""
+
+    heads: int
+    tokens: int
+    batch: int  # 2 x videos per call (cond + uncond)
+
+
+def check_dit(target: Target, d: DitShape, model: str) -> None:
+    """Refuse a mesh the DiT cannot be split over, suggesting one with the same device count that works."""
+    m = target.mesh
+    problems = []
+    if d.heads % m["tp"]:
+        problems.append(f"its {d.heads} attention heads do not divide over tp={m['tp']}")
+    if d.tokens % m["sp"]:
+        problems.append(f"its {d.tokens} tokens per frame stack do not divide over sp={m['sp']}")
+    if d.batch % m["dp"]:
+        problems.append(f"the CFG batch of {d.batch} (cond + uncond) does not divide over dp={m['dp']}")
+    if not problems:
+        return
+    fits = suggest_meshes(target.num_devices, d)
+    hint = (f"try --mesh {fits[0]}" if fits else
+            f"no dp x sp x tp split of {target.num_devices} devices works: use a target with fewer devices")
+    raise UserError(f"mesh {format_mesh(m)} of target {target.name} does not fit {model}: "
+                    f"{'; '.join(problems)} ({hint})")
+
+
+def suggest_meshes(n: int, d: DitShape) -> list[str]:
+    """Meshes of n devices that fit `d`, best first: dp=2 for CFG when possible, then the most tp."""
+    out = []
+    for dp, sp in itertools.product(range(1, n + 1), repeat=2):
+        if n % (dp * sp):
+            continue
+        tp = n // (dp * sp)
+        if d.heads % tp or d.tokens % sp or d.batch % dp:
+            continue
+        out.append((dp != min(2, d.batch), -tp, sp, {"dp": dp, "sp": sp, "tp": tp}))
+    return [format_mesh(m) for *_, m in sorted(out, key=lambda t: t[:3])]
+
+
+def format_mesh(mesh: dict[str, int]) -> str:
+    return ",".join(f"{a}={mesh[a]}" for a in ALL)
