@@ -92,17 +92,37 @@ def _empty(build: Any, dtype: Any) -> Any:
 
     with init_empty_weights(include_buffers=False):
         module = build()
-    keep = getattr(module, "_keep_in_fp32_modules", None) or []
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.is_floating_point():
+    if hasattr(module, "tie_weights"):  # transformers ties shared embeddings in from_pretrained; do the same
+        module.tie_weights()
+    keep = _fp32_kept(module, dtype)
+    cast: dict[int, Any] = {}  # by identity, so tied weights (UMT5's shared embedding) stay tied
+    entries = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, t in entries:
+        if not t.is_floating_point():
+            continue
+        if id(t) not in cast:
             want = torch.float32 if dtype == torch.float32 or any(k in name for k in keep) else dtype
-            owner, _, leaf = name.rpartition(".")
-            sub = module.get_submodule(owner)
-            if leaf in sub._parameters:
-                sub._parameters[leaf] = torch.nn.Parameter(t.to(want), requires_grad=False)
-            else:
-                sub._buffers[leaf] = t.to(want)
+            new = t.to(want)
+            cast[id(t)] = torch.nn.Parameter(new) if isinstance(t, torch.nn.Parameter) else new
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        (sub._parameters if leaf in sub._parameters else sub._buffers)[leaf] = cast[id(t)]
     return module.eval()
+
+
+def _fp32_kept(module: Any, dtype: Any) -> list[str]:
+    """Name fragments the library's from_pretrained keeps in fp32 at `dtype` (diffusers: always;
+    transformers: `_keep_in_fp32_modules` for fp16 only, `_keep_in_fp32_modules_strict` for fp16/bf16)."""
+    import torch
+
+    if dtype == torch.float32:
+        return []
+    if hasattr(module, "_keep_in_fp32_modules_strict"):  # transformers
+        keep = list(module._keep_in_fp32_modules_strict or [])
+        if dtype == torch.float16:
+            keep += list(module._keep_in_fp32_modules or [])
+        return keep
+    return list(getattr(module, "_keep_in_fp32_modules", None) or [])
 
 
 def _init_args(cfg: dict[str, Any]) -> dict[str, Any]:

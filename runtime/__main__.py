@@ -31,6 +31,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    multi = common.add_argument_group("multi-host (one process per host; process 0 writes the outputs)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    multi.add_argument("--num-processes", type=int, help="processes in the job")
+    multi.add_argument("--process-id", type=int, help="this process's index, 0 .. N-1")
+    multi.add_argument("--distributed", action="store_true",
+                       help="join a job described by the environment (TPU pods, SLURM, JAX_COORDINATOR_ADDRESS)")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", parents=[common], help="prompt -> mp4")
@@ -40,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     _denoise_args(g)
     g.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the bundle's)")
     g.add_argument("--out", type=Path, required=True, help="mp4 path (batch > 1 writes NAME-<i>.mp4)")
+    g.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
 
     e = sub.add_parser("encode", parents=[common], help="prompt -> embeddings (safetensors)")
     _bundle_arg(e)
@@ -59,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--latents", type=Path, required=True)
     v.add_argument("--fps", type=int, default=None)
     v.add_argument("--out", type=Path, required=True)
+    v.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
     return p
 
 
@@ -71,26 +79,40 @@ def _write_videos(frames: Any, out: Path, fps: int) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> None:
+    from . import distributed
     from . import intermediates as im
     from .files import check_writable
     from .pipeline import load
 
-    check_writable(args.out)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
+    primary = distributed.is_primary()
+    for out in (args.out, getattr(args, "frames_out", None)):
+        if out is not None and primary:
+            check_writable(out)
     pipe = load(args.bundle)
     g = pipe.geometry
     log = logging.getLogger("runtime")
     progress = not args.quiet
-    if args.command == "generate":
-        fps = args.fps or pipe.manifest.defaults.fps
-        frames = pipe.generate(args.prompt, args.negative_prompt, seed=args.seed, steps=args.steps,
-                               guidance=args.guidance, flow_shift=args.flow_shift, progress=progress)
-        for path in _write_videos(frames, args.out, fps):
+    if args.command in ("generate", "decode"):
+        if args.command == "generate":
+            frames = pipe.generate(args.prompt, args.negative_prompt, seed=args.seed, steps=args.steps,
+                                   guidance=args.guidance, flow_shift=args.flow_shift, progress=progress)
+        else:
+            latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
+            frames = pipe.decode(latents)
+        if not primary:
+            return
+        if args.frames_out is not None:
+            im.save(args.frames_out, im.FRAMES, {"frames": frames}, pipe.bundle_id, {})
+            log.info("wrote %s", args.frames_out)
+        for path in _write_videos(frames, args.out, args.fps or pipe.manifest.defaults.fps):
             log.info("wrote %s", path)
     elif args.command == "encode":
         embeds = pipe.encode(args.prompt, args.negative_prompt)
-        im.save(args.out, im.EMBEDS, embeds, pipe.bundle_id, {"prompt": args.prompt,
-                                                              "negative_prompt": args.negative_prompt})
-        log.info("wrote %s", args.out)
+        if primary:
+            im.save(args.out, im.EMBEDS, embeds, pipe.bundle_id, {"prompt": args.prompt,
+                                                                  "negative_prompt": args.negative_prompt})
+            log.info("wrote %s", args.out)
     elif args.command == "denoise":
         s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift)
         embeds, _ = im.load(args.embeds, im.EMBEDS, pipe.bundle_id,
@@ -99,13 +121,9 @@ def run(args: argparse.Namespace) -> None:
         if args.latents is not None:
             init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
         latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress)
-        im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, s.to_json())
-        log.info("wrote %s", args.out)
-    elif args.command == "decode":
-        latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
-        frames = pipe.decode(latents)
-        for path in _write_videos(frames, args.out, args.fps or pipe.manifest.defaults.fps):
-            log.info("wrote %s", path)
+        if primary:
+            im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, s.to_json())
+            log.info("wrote %s", args.out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ from .files import atomic_path
 
 EMBEDS = "embeds"
 LATENTS = "latents"
-KEYS = {EMBEDS: ("prompt_embeds", "negative_prompt_embeds"), LATENTS: ("latents",)}
+FRAMES = "frames"  # decoded float32 (B, F, H, W, 3) in [0, 1], lossless beside the mp4
+KEYS = {EMBEDS: ("prompt_embeds", "negative_prompt_embeds"), LATENTS: ("latents",), FRAMES: ("frames",)}
 
 
 def save(path: str | Path, kind: str, tensors: dict[str, np.ndarray], bundle_id: str,

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from . import manifest as mf
 from . import scheduler
 from .bundle import Bundle, open_bundle
+from .distributed import fetch, is_primary, put
 from .errors import UserError
 from .text import PromptTokenizer
 
@@ -70,7 +71,7 @@ class Pipeline:
         """Prompt and negative prompt embeddings, float32 (B, L, D), padded positions zero."""
         prompts = self._prompts(prompt, "prompt") + self._prompts(negative_prompt, "negative_prompt")
         ids, mask = self.tokenizer()(prompts)
-        embeds = np.asarray(self.bundle.call("text_encoder")(ids, mask), dtype=np.float32)
+        embeds = fetch(self.bundle.call("text_encoder")(ids, mask)).astype(np.float32)
         b = self.geometry.batch
         return {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
 
@@ -123,15 +124,14 @@ class Pipeline:
         context = np.concatenate([embeds["prompt_embeds"], embeds["negative_prompt_embeds"]]).astype(np.float32)
         step = self.bundle.call("denoise_step")
         shardings = self.bundle.input_shardings("denoise_step")
-        state_dev = jax.device_put(state, shardings[0])
-        context_dev = jax.device_put(context, shardings[1])
-        guidance_dev = np.float32(s.guidance)
-        for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress):
-            state_dev, finite = step(state_dev, context_dev, plan.timesteps[i], guidance_dev, plan.coeffs[i])
-            if not bool(finite):
+        state_dev, context_dev = put(state, shardings[0]), put(context, shardings[1])  # placed once
+        guidance = np.float32(s.guidance)
+        for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress or not is_primary()):
+            state_dev, finite = step(state_dev, context_dev, plan.timesteps[i], guidance, plan.coeffs[i])
+            if not bool(fetch(finite)):
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
                                 f"{s.steps}: check the weights, guidance ({s.guidance}) and dtype")
-        return np.asarray(state_dev[0], np.float32)
+        return fetch(state_dev)[0].astype(np.float32)
 
     # -- decode -------------------------------------------------------------
     def decode(self, latents: np.ndarray) -> np.ndarray:
@@ -148,7 +148,7 @@ class Pipeline:
             for t in range(1, g.latent_frames):
                 frames, caches = nxt(latents[:, :, t:t + 1], *caches)
                 chunks.append(frames)
-        return np.concatenate([np.asarray(c, np.float32) for c in chunks], axis=1)
+        return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
 
     # -- all ----------------------------------------------------------------
     def generate(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "", seed: int = 0,

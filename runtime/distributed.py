@@ -1,0 +1,62 @@
+"""One process per host: joining the job, and moving arrays between host memory and the global mesh.
+
+On a multi-host slice every process runs the same program on its own devices.
+Host data (noise, embeddings, coefficients) is identical on every process and each
+places only its addressable shards; results the programs return replicated are
+read from a local shard, and anything else is gathered. Process 0 writes files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from .errors import UserError
+
+log = logging.getLogger("runtime")
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, auto: bool = False) -> None:
+    """Join a multi-process job if asked to (flags, JAX_COORDINATOR_ADDRESS..., or auto-detection on TPU pods)."""
+    explicit = coordinator is not None or num_processes is not None or process_id is not None
+    if not explicit and not auto and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return
+    if explicit and (coordinator is None or num_processes is None or process_id is None):
+        raise UserError("--coordinator, --num-processes and --process-id go together (or set none of them)")
+    if num_processes is not None and (num_processes < 1 or not 0 <= process_id < num_processes):
+        raise UserError(f"--process-id {process_id} must be in [0, {num_processes}) and --num-processes >= 1")
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"cannot join the multi-process job ({e}): check --coordinator HOST:PORT is reachable "
+                        "and every process uses the same --num-processes") from None
+    log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array from host data that every process holds in full (each places its own shards)."""
+    if isinstance(x, jax.Array):
+        return x
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The whole value of a global array on this host."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,0 +1,113 @@
+"""One bundle layout, many device layouts: the same frames on 1 device, 8 devices, and 2 processes x 4.
+
+Fake devices come from XLA_FLAGS=--xla_force_host_platform_device_count=N in subprocesses;
+the two processes join over loopback with jax.distributed (gloo collectives).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import CASES, ROOT, run_module
+
+FP32_TOL = 1e-5  # max abs difference in frames (values in [0, 1]) between device layouts
+GEN = ("--prompt", "a robot dancing in the rain", "--steps", "4", "--seed", "7", "-q")
+
+
+def _devices(n: int) -> dict[str, str]:
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+
+
+def _frames(path: Path) -> np.ndarray:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))["frames"]
+
+
+@pytest.fixture(scope="module")
+def cpu8_bundle(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
+    out = tmp_path_factory.mktemp("cpu8") / "bundle"
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(out), "-q")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_same_frames_on_1_device_8_devices_and_2_processes(fp32_bundles, cpu8_bundle: Path, tmp_path: Path) -> None:
+    one = tmp_path / "one.safetensors"
+    run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), *GEN, "--out", str(tmp_path / "one.mp4"),
+               "--frames-out", str(one))
+    eight = tmp_path / "eight.safetensors"
+    run_module("runtime", "generate", str(cpu8_bundle), *GEN, "--out", str(tmp_path / "eight.mp4"),
+               "--frames-out", str(eight), env=_devices(8))
+
+    two = tmp_path / "two.safetensors"
+    port = _free_port()
+    env = {**_devices(4), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    import os
+
+    procs = [subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(cpu8_bundle), *GEN,
+                               "--out", str(tmp_path / "two.mp4"), "--frames-out", str(two),
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+
+    a, b, c = _frames(one), _frames(eight), _frames(two)
+    assert a.shape == b.shape == c.shape == (1, 9, 32, 64, 3)
+    assert np.abs(a - b).max() <= FP32_TOL
+    assert np.abs(b - c).max() <= FP32_TOL
+    assert (tmp_path / "two.mp4").is_file()
+
+
+def test_device_count_mismatch_is_refused(cpu8_bundle: Path, tmp_path: Path) -> None:
+    proc = run_module("runtime", "generate", str(cpu8_bundle), *GEN, "--out", str(tmp_path / "v.mp4"), check=False,
+                      env=_devices(4))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: bundle was exported for 8 device(s) (target cpu-8) but 4 are available: "
+                                   "run it where 8 are, or re-export")
+    assert not (tmp_path / "v.mp4").exists()
+
+
+SHARDED_ATTENTION = """
+import jax, numpy as np
+from export.attention import AttentionConfig, attention
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("dp", "sp", "tp"))
+rng = np.random.default_rng(0)
+def ref(q, k, v):
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+worst = 0.0
+for sq, sk, cfg in [(36, 36, AttentionConfig()), (36, 36, AttentionConfig(block_q=8, block_kv=5, direct_limit=0)),
+                    (37, 11, AttentionConfig()), (30, 7, AttentionConfig(block_q=4, block_kv=3, direct_limit=0))]:
+    q = rng.standard_normal((2, 4, sq, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 4, sk, 8)).astype(np.float32) for _ in range(2))
+    out = jax.jit(lambda a, b, c: attention(a, b, c, config=cfg, mesh=mesh))(q, k, v)
+    worst = max(worst, float(np.abs(np.asarray(out) - ref(q, k, v)).max()))
+print(worst)
+"""
+
+
+def test_sharded_attention_matches_reference() -> None:
+    """Self-attention (heads over tp, queries over sp) and cross-attention (queries over tp x sp, padded
+    when they don't divide) inside shard_map on 8 devices, direct and blocked."""
+    proc = subprocess.run([sys.executable, "-c", SHARDED_ATTENTION], cwd=ROOT, capture_output=True, text=True,
+                          env={**__import__("os").environ, **_devices(8), "PYTHONPATH": str(ROOT),
+                               "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 2e-6
