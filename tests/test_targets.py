@@ -44,8 +44,8 @@ def test_partition_rules() -> None:
     assert p("wan_vae", "decoder.conv_in.weight", (384, 16, 3, 3, 3), mesh) == sharding.PartitionSpec()
 
 
-@pytest.mark.parametrize("n,heads,want", [(8, 12, "dp=2,sp=1,tp=4"), (8, 6, "dp=2,sp=2,tp=2"), (16, 12, "dp=2,sp=2,tp=4"),
-                                          (8, 40, "dp=2,sp=1,tp=4")])
+@pytest.mark.parametrize("n,heads,want", [(8, 12, "dp=2,sp=1,tp=4"), (8, 6, "dp=2,sp=2,tp=2"),
+                                          (16, 12, "dp=2,sp=2,tp=4"), (8, 40, "dp=2,sp=1,tp=4")])
 def test_suggested_meshes_fit(n: int, heads: int, want: str) -> None:
     shape = sharding.DitShape(heads=heads, tokens=32760, batch=2)
     assert sharding.suggest_meshes(n, shape)[0] == want
