@@ -62,6 +62,8 @@ def _quiet_build_libraries() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=r"Explicitly requested dtype int64")
+    # torchax's index_put in bf16 models (RoPE) scatters fp32 values into bf16, as torch does.
+    warnings.filterwarnings("ignore", message=r"scatter inputs have incompatible types", category=FutureWarning)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffusers)\.")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -93,17 +95,13 @@ def main(argv: list[str] | None = None) -> int:
                      "attention_block_kv"):
             if getattr(args, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-        if args.flash_block_kv % args.flash_block_kv_compute:
-            raise UserError(f"--flash-block-kv {args.flash_block_kv} must be a multiple of "
-                            f"--flash-block-kv-compute {args.flash_block_kv_compute}")
         if args.out.exists() and not args.force:
             raise UserError(f"{args.out} already exists: choose another --out or pass --force to replace it")
         settings = Settings(width=width, height=height, frames=frames, batch=args.batch,
                             max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
                             attention=AttentionConfig(
                                 block_q=args.attention_block_q, block_kv=args.attention_block_kv,
-                                flash=FlashBlocks(args.flash_block_q, args.flash_block_kv,
-                                                  args.flash_block_kv_compute),
+                                flash=_flash_blocks(args),
                                 k_smoothing=args.k_smoothing))
         from .source import load
 
@@ -119,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("export").info("wrote %s (bundle %s%s) in %.1f s", args.out, manifest.bundle_id,
                                      "" if manifest.has_weights else ", no weights", time.perf_counter() - t0)
     return 0
+
+
+def _flash_blocks(args: argparse.Namespace) -> FlashBlocks:
+    try:
+        return FlashBlocks(args.flash_block_q, args.flash_block_kv, args.flash_block_kv_compute)
+    except ValueError as e:
+        raise UserError(f"bad --flash-block-* sizes: {e}") from None
 
 
 def _attach(args: argparse.Namespace) -> int:

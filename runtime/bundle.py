@@ -97,7 +97,6 @@ class Bundle:
             return self._weights[group]
 
     def _load_weights(self, group: str, program: str) -> dict[str, jax.Array]:
-        from safetensors import safe_open
 
         wf = self.manifest.weights.get(group)
         if wf is None:
@@ -108,22 +107,36 @@ class Bundle:
         (w_shardings, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
         (w_avals, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
         path = mf.resolve(self.path, wf.file)
-        out: dict[str, jax.Array] = {}
-        with safe_open(str(path), framework="numpy") as f:
-            present = set(f.keys())
-            for name, aval in w_avals.items():
-                if name not in present:
-                    raise BundleError(f"weights file {wf.file} has no tensor {name!r}: re-export the bundle")
-                sl = f.get_slice(name)
-                shape, dtype = tuple(sl.get_shape()), _dtype(sl.get_dtype())
-                if shape != tuple(aval.shape) or dtype != np.dtype(aval.dtype):
-                    raise BundleError(f"tensor {name!r} in {wf.file} is {dtype.name}{list(shape)} but the program "
-                                      f"expects {np.dtype(aval.dtype).name}{list(aval.shape)}: re-export the bundle")
-                # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
-                # upsampler); place it as the manifest says, as the group's other programs expect it.
-                sharding = w_shardings[name] or NamedSharding(self.mesh, _spec(wf.partition.get(name, [])))
-                out[name] = _place(sl, shape, sharding)
-        return out
+        # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
+        # upsampler); place it as the manifest says, as the group's other programs expect it.
+        shardings = {name: w_shardings[name] or NamedSharding(self.mesh, _spec(wf.partition.get(name, [])))
+                     for name in w_avals}
+        expected = {name: (tuple(a.shape), np.dtype(a.dtype)) for name, a in w_avals.items()}
+        return load_sharded(path, shardings, expected, wf.file)
+
+
+def load_sharded(path: Path, shardings: dict[str, Any], expected: dict[str, tuple[tuple[int, ...], np.dtype]],
+                 label: str) -> dict[str, jax.Array]:
+    """Global arrays for the tensors of a safetensors file, each device's shard read straight from the file.
+
+    Only this process's addressable shards are read, one tensor at a time, so the host
+    memory a load needs beyond the placed arrays is about one shard.
+    """
+    from safetensors import safe_open
+
+    out: dict[str, jax.Array] = {}
+    with safe_open(str(path), framework="numpy") as f:
+        present = set(f.keys())
+        for name, (want_shape, want_dtype) in expected.items():
+            if name not in present:
+                raise BundleError(f"weights file {label} has no tensor {name!r}: re-export the bundle")
+            sl = f.get_slice(name)
+            shape, dtype = tuple(sl.get_shape()), _dtype(sl.get_dtype())
+            if shape != want_shape or dtype != want_dtype:
+                raise BundleError(f"tensor {name!r} in {label} is {dtype.name}{list(shape)} but the program "
+                                  f"expects {want_dtype.name}{list(want_shape)}: re-export the bundle")
+            out[name] = _place(sl, shape, shardings[name])
+    return out
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
