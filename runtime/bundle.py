@@ -30,8 +30,10 @@ def make_mesh(target: mf.Target, devices: list[Any] | None = None) -> Mesh:
         raise BundleError(f"bundle was exported for platform {want!r} (target {target.name}) but this machine "
                           f"runs {platform!r}: export a bundle with --target for this platform")
     if len(devices) != target.num_devices:
-        raise BundleError(f"bundle was exported for {target.num_devices} device(s) (target {target.name}) but "
-                          f"{len(devices)} are available: run it where {target.num_devices} are, or re-export")
+        n = target.num_devices
+        hint = f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} makes {n}" if platform == "cpu" else ""
+        raise BundleError(f"bundle was exported for {n} device(s) (target {target.name}) but {len(devices)} are "
+                          f"available: run it where {n} are, or re-export{hint}")
     sizes = tuple(target.mesh.values())
     if platform == "tpu":  # order devices along the physical torus (the seeds measured ~4% from this)
         from jax.experimental import mesh_utils

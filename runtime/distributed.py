@@ -22,13 +22,19 @@ log = logging.getLogger("runtime")
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, auto: bool = False) -> None:
-    """Join a multi-process job if asked to (flags, JAX_COORDINATOR_ADDRESS..., or auto-detection on TPU pods)."""
-    explicit = coordinator is not None or num_processes is not None or process_id is not None
-    if not explicit and not auto and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+    """Join a multi-process job if asked to: by arguments, by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID, or (auto) by JAX's cluster auto-detection (TPU pods, SLURM, ...)."""
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    given = [v is not None for v in (coordinator, num_processes, process_id)]
+    if not any(given) and not auto:
         return
-    if explicit and (coordinator is None or num_processes is None or process_id is None):
-        raise UserError("--coordinator, --num-processes and --process-id go together (or set none of them)")
-    if num_processes is not None and (num_processes < 1 or not 0 <= process_id < num_processes):
+    if any(given) and not all(given) and not auto:
+        raise UserError("--coordinator, --num-processes and --process-id go together (or use --distributed "
+                        "to let JAX detect the cluster)")
+    if num_processes is not None and process_id is not None and (
+            num_processes < 1 or not 0 <= process_id < num_processes):
         raise UserError(f"--process-id {process_id} must be in [0, {num_processes}) and --num-processes >= 1")
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id)
@@ -37,6 +43,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                         "and every process uses the same --num-processes") from None
     log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name}={value!r} is not an integer") from None
 
 
 def is_primary() -> bool:

@@ -79,8 +79,15 @@ def test_device_count_mismatch_is_refused(cpu8_bundle: Path, tmp_path: Path) -> 
                       env=_devices(4))
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: bundle was exported for 8 device(s) (target cpu-8) but 4 are available: "
-                                   "run it where 8 are, or re-export")
+                                   "run it where 8 are, or re-export; on CPU, "
+                                   "XLA_FLAGS=--xla_force_host_platform_device_count=8 makes 8")
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_incomplete_multihost_flags_are_refused(cpu8_bundle: Path, tmp_path: Path) -> None:
+    proc = run_module("runtime", "generate", str(cpu8_bundle), *GEN, "--out", str(tmp_path / "v.mp4"),
+                      "--coordinator", "127.0.0.1:1", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --coordinator, --num-processes and")
 
 
 SHARDED_ATTENTION = """
