@@ -33,8 +33,6 @@ def attach_weights(bundle: Path, src: Source, force: bool = False) -> mf.Manifes
     manifest = mf.read(bundle)
     if manifest.has_weights and not force:
         raise UserError(f"{bundle} already has weights: pass --force to replace them")
-    if src.dtype != manifest.dtype:
-        raise UserError(f"internal: source dtype {src.dtype} != bundle dtype {manifest.dtype}")
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
     tmp = bundle.parent / f".{bundle.name}.attach-partial"

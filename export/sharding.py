@@ -21,12 +21,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from runtime.errors import UserError
 from runtime.manifest import Target
+from runtime.targets import AXES, format_mesh
 
-ALL = ("dp", "sp", "tp")  # every device, in mesh order
+ALL = AXES  # every device, in mesh order
 FSDP = "fsdp"  # rule marker: split over ALL on the first dimension that divides
 REPLICATED: tuple = ()
 
@@ -82,10 +83,6 @@ def spec_to_json(spec: PartitionSpec) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
-def spec_from_json(data: list[Any]) -> PartitionSpec:
-    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in data])
-
-
 def width_split(shape: tuple[int, ...], mesh: dict[str, int], dim: int = -1) -> PartitionSpec:
     """VAE activations: dimension `dim` (width) over every device if it divides, else replicated."""
     n_all = _axis_size(mesh, ALL)
@@ -93,10 +90,6 @@ def width_split(shape: tuple[int, ...], mesh: dict[str, int], dim: int = -1) -> 
     if n_all == 1 or shape[dim] % n_all:
         return PartitionSpec()
     return PartitionSpec(*([None] * dim), ALL)
-
-
-def named(mesh: AbstractMesh, spec: PartitionSpec) -> NamedSharding:
-    return NamedSharding(mesh, spec)
 
 
 @dataclass(frozen=True)
@@ -140,5 +133,3 @@ def suggest_meshes(n: int, d: DitShape) -> list[str]:
     return [format_mesh(m) for *_, m in sorted(out, key=lambda t: t[:3])]
 
 
-def format_mesh(mesh: dict[str, int]) -> str:
-    return ",".join(f"{a}={mesh[a]}" for a in ALL)

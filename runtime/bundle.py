@@ -111,7 +111,7 @@ class Bundle:
         path = mf.resolve(self.path, wf.file)
         # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
         # upsampler); place it as the manifest says, as the group's other programs expect it.
-        shardings = {name: w_shardings[name] or NamedSharding(self.mesh, _spec(wf.partition.get(name, [])))
+        shardings = {name: w_shardings[name] or NamedSharding(self.mesh, partition_spec(wf.partition.get(name, [])))
                      for name in w_avals}
         expected = {name: (tuple(a.shape), np.dtype(a.dtype)) for name, a in w_avals.items()}
         return load_sharded(path, shardings, expected, wf.file)
@@ -149,7 +149,8 @@ def _dtype(st: str) -> np.dtype:
     return np.dtype(_ST_DTYPES.get(st, np.void))
 
 
-def _spec(data: list[Any]) -> PartitionSpec:
+def partition_spec(data: list[Any]) -> PartitionSpec:
+    """A manifest partition entry (None, an axis, or a list of axes per dimension) as a PartitionSpec."""
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in data])
 
 

@@ -63,6 +63,8 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array from host data that every process holds in full (each places its own shards)."""
     if isinstance(x, jax.Array):
         return x
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 

@@ -56,12 +56,15 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def format_mesh(mesh: dict[str, int]) -> str:
+    return ",".join(f"{a}={mesh[a]}" for a in AXES)
+
+
 def resolve(name: str, mesh: str | None = None) -> Target:
     """The preset `name`, with its mesh replaced by `mesh` if given (same platform and device kind)."""
     target = get(name)
     if mesh is None:
         return target
     sizes = parse_mesh(mesh)
-    label = ",".join(f"{a}={sizes[a]}" for a in AXES)
-    return Target(name=f"{target.name}[{label}]", platform=target.platform, mesh=sizes,
+    return Target(name=f"{target.name}[{format_mesh(sizes)}]", platform=target.platform, mesh=sizes,
                   device_kind=target.device_kind)

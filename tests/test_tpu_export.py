@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 import runtime.manifest as mf
 from export import sharding
 from export.build import FAMILIES
+from runtime.bundle import partition_spec
 
 from .conftest import run_module
 
@@ -71,7 +72,7 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
         assert len(unused) <= 4, (name, unused)  # vae_decode_first skips the temporal upsamplers
         for tensor, spec in specs.items():
             want = sharding.partition(FAMILIES[prog.weights], tensor, wf.tensors[tensor].shape, m.target.mesh)
-            assert want == sharding.spec_from_json(wf.partition[tensor]), (name, tensor)
+            assert want == partition_spec(wf.partition[tensor]), (name, tensor)
             assert spec in (want, None), (name, tensor)
     dit = _weight_specs(_program(bundle, "denoise_step"))
     assert dit["blocks.0.attn1.to_q.weight"] == PartitionSpec("tp")  # column-parallel
