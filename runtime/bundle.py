@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import compat
 from . import manifest as mf
 from .distributed import put
 from .errors import BundleError
@@ -52,20 +53,15 @@ class Bundle:
     _programs: dict[str, Any] = field(default_factory=dict)
     _calls: dict[str, Callable[..., Any]] = field(default_factory=dict)
     _weights: dict[str, dict[str, jax.Array]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _layouts: dict[str, dict[str, tuple[Any, tuple[int, ...], np.dtype]]] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def program(self, name: str) -> Any:
         if name not in self._programs:
             spec = self.manifest.programs.get(name)
             if spec is None:
                 raise BundleError(f"bundle has no program {name!r}: re-export it")
-            blob = mf.resolve(self.path, spec.file).read_bytes()
-            try:
-                self._programs[name] = jax.export.deserialize(bytearray(blob))
-            except Exception as e:  # noqa: BLE001  (any failure here means an unusable file)
-                raise BundleError(f"cannot deserialize {spec.file} ({type(e).__name__}: {e}); it was exported "
-                                  f"with jax {self.manifest.versions.get('jax')}: re-export with this jax "
-                                  f"({jax.__version__})") from None
+            self._programs[name] = load_program(self.path, self.manifest, name)
         return self._programs[name]
 
     def call(self, name: str) -> Callable[..., Any]:
@@ -93,28 +89,43 @@ class Bundle:
         return [s or NamedSharding(self.mesh, PartitionSpec()) for s in rest]
 
     def weights(self, group: str, program: str) -> dict[str, jax.Array]:
+        layout = self.weight_layout(group, program)
         with self._lock:
             if group not in self._weights:
-                self._weights[group] = self._load_weights(group, program)
+                wf = self.manifest.weights[group]
+                if wf.file is None:
+                    raise BundleError(no_weights_message(self.path))
+                shardings = {k: s for k, (s, _, _) in layout.items()}
+                expected = {k: (shape, dtype) for k, (_, shape, dtype) in layout.items()}
+                self._weights[group] = load_sharded(mf.resolve(self.path, wf.file), shardings, expected, wf.file)
             return self._weights[group]
 
-    def _load_weights(self, group: str, program: str) -> dict[str, jax.Array]:
+    def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:
+        """(sharding, shape, dtype) of each tensor of a weight group, as `program` (the first to use it) takes it."""
+        with self._lock:
+            if group not in self._layouts:
+                wf = self.manifest.weights.get(group)
+                if wf is None:
+                    raise BundleError(f"bundle lists no weights {group!r}: re-export it")
+                exp = self.program(program)
+                (w_shardings, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
+                (w_avals, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+                # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
+                # upsampler); place it as the manifest says, as the group's other programs expect it.
+                self._layouts[group] = {
+                    name: (w_shardings[name] or NamedSharding(self.mesh, partition_spec(wf.partition.get(name, []))),
+                           tuple(a.shape), np.dtype(a.dtype))
+                    for name, a in w_avals.items()}
+            return self._layouts[group]
 
-        wf = self.manifest.weights.get(group)
-        if wf is None:
-            raise BundleError(f"bundle lists no weights {group!r}: re-export it")
-        if wf.file is None:
-            raise BundleError(no_weights_message(self.path))
-        exp = self.program(program)
-        (w_shardings, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
-        (w_avals, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-        path = mf.resolve(self.path, wf.file)
-        # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
-        # upsampler); place it as the manifest says, as the group's other programs expect it.
-        shardings = {name: w_shardings[name] or NamedSharding(self.mesh, partition_spec(wf.partition.get(name, [])))
-                     for name in w_avals}
-        expected = {name: (tuple(a.shape), np.dtype(a.dtype)) for name, a in w_avals.items()}
-        return load_sharded(path, shardings, expected, wf.file)
+    def compile(self, name: str) -> None:
+        """Compile a program for this mesh without weights or inputs: fills the persistent compilation cache."""
+        exp = self.program(name)
+        layout = self.weight_layout(self.manifest.programs[name].weights, name)
+        weights = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s) for k, (s, shape, dtype) in layout.items()}
+        (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, self.input_shardings(name))]
+        jax.jit(exp.call).lower(weights, *inputs).compile()
 
 
 def load_sharded(path: Path, shardings: dict[str, Any], expected: dict[str, tuple[tuple[int, ...], np.dtype]],
@@ -133,7 +144,7 @@ def load_sharded(path: Path, shardings: dict[str, Any], expected: dict[str, tupl
             if name not in present:
                 raise BundleError(f"weights file {label} has no tensor {name!r}: re-export the bundle")
             sl = f.get_slice(name)
-            shape, dtype = tuple(sl.get_shape()), _dtype(sl.get_dtype())
+            shape, dtype = tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype())
             if shape != want_shape or dtype != want_dtype:
                 raise BundleError(f"tensor {name!r} in {label} is {dtype.name}{list(shape)} but the program "
                                   f"expects {want_dtype.name}{list(want_shape)}: re-export the bundle")
@@ -145,7 +156,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, 
               "I64": np.int64, "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F64": np.float64}
 
 
-def _dtype(st: str) -> np.dtype:
+def safetensors_dtype(st: str) -> np.dtype:
     return np.dtype(_ST_DTYPES.get(st, np.void))
 
 
@@ -169,6 +180,20 @@ def _place(sl: Any, shape: tuple[int, ...], sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
+def load_program(path: Path, manifest: mf.Manifest, name: str) -> Any:
+    """Deserialize one of the bundle's programs; refuses what this jax cannot run."""
+    spec = manifest.programs[name]
+    blob = mf.resolve(path, spec.file).read_bytes()
+    exported_jax = manifest.versions.get("jax")
+    try:
+        exp = jax.export.deserialize(bytearray(blob))
+    except Exception as e:  # noqa: BLE001  (any failure here means an unusable file)
+        raise BundleError(f"cannot deserialize {spec.file} ({type(e).__name__}: {e}); it was exported with jax "
+                          f"{exported_jax}: re-export with this jax ({jax.__version__})") from None
+    compat.check_program(name, exp, exported_jax)
+    return exp
+
+
 def no_weights_message(path: Path) -> str:
     return (f"bundle {path} has no weights attached (exported with --no-weights): run `python -m export "
             f"--attach-weights {path} --weights CHECKPOINT` first")
@@ -178,6 +203,8 @@ def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
     """Read and check `path`; programs and weights load lazily on first use."""
     path = Path(path)
     manifest = mf.read(path)
+    for warning in compat.check_versions(manifest.versions):
+        log.warning("%s", warning)
     if not manifest.has_weights:
         raise BundleError(no_weights_message(path))
     if verify:

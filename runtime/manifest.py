@@ -12,6 +12,7 @@ Every file is listed with its sha256 and checked before use.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -23,9 +24,26 @@ from typing import Any
 
 from .errors import BundleError
 
-# 2: target device_kind, per-tensor partition specs, bundles whose weights are attached later.
+# Schema history. Bump SCHEMA_VERSION on purpose, for any change an older runtime would misread, and
+# add a migration from the previous version to MIGRATIONS (or let the old version be refused with a
+# message that says to re-export). Keep a golden bundle of every readable version in artifacts/golden/.
+#   1: first release.
+#   2: target.device_kind, per-tensor partition specs, weights attached later (file/sha256 may be null).
 SCHEMA_VERSION = 2
 MANIFEST_FILE = "manifest.json"
+
+
+def _from_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """v1 bundles are single-device: no device kind, and weights unpartitioned (replicated)."""
+    d = copy.deepcopy(d)
+    d["target"].setdefault("device_kind", "")
+    for w in d["weights"].values():
+        w.setdefault("partition", {})
+    d["schema_version"] = 2
+    return d
+
+
+MIGRATIONS = {1: _from_v1}  # version -> function taking that version's JSON to the next version's
 
 
 @dataclass(frozen=True)
@@ -153,24 +171,44 @@ class Manifest:
 
     def with_id(self) -> Manifest:
         """The manifest with `bundle_id` set to the sha256 of its own canonical content."""
-        body = self.to_json()
-        body.pop("bundle_id", None)
-        digest = hashlib.sha256(canonical_json(body).encode()).hexdigest()
-        return dataclasses.replace(self, bundle_id=digest[:16])
+        return dataclasses.replace(self, bundle_id=content_id(self.to_json()))
 
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
-        if not isinstance(d, dict):
-            raise BundleError("manifest.json is not a JSON object: re-export the bundle")
-        version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise BundleError(
-                f"bundle schema version {version!r} is not supported by this runtime (it reads version "
-                f"{SCHEMA_VERSION}): re-export the bundle with a matching `export`, or use a matching runtime")
+        """Decode manifest JSON of this or an older (migrated) schema version."""
+        version = schema_version(d)
         try:
+            while version < SCHEMA_VERSION:
+                d = MIGRATIONS[version](d)
+                version = d["schema_version"]
             return _decode(cls, d)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise BundleError(f"manifest.json is malformed ({type(e).__name__}: {e}): re-export the bundle") from None
+
+
+def schema_version(d: Any) -> int:
+    """The manifest's schema version, if this runtime reads it (directly or by migration)."""
+    if not isinstance(d, dict):
+        raise BundleError("manifest.json is not a JSON object: re-export the bundle")
+    version = d.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BundleError(f"manifest.json has no valid schema_version ({version!r}): re-export the bundle")
+    if version > SCHEMA_VERSION:
+        raise BundleError(f"bundle schema version {version} is newer than this runtime reads ({SCHEMA_VERSION}): "
+                          "upgrade the runtime (wan-aot) to the exporter's version")
+    oldest = SCHEMA_VERSION
+    while oldest - 1 in MIGRATIONS:
+        oldest -= 1
+    if version < oldest:
+        raise BundleError(f"bundle schema version {version} is no longer supported (this runtime reads "
+                          f"{oldest}..{SCHEMA_VERSION}): re-export the bundle")
+    return version
+
+
+def content_id(data: dict[str, Any]) -> str:
+    """A bundle's id: sha256 of its manifest's canonical JSON without the id itself (16 hex digits)."""
+    body = {k: v for k, v in data.items() if k != "bundle_id"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
 
 
 def canonical_json(obj: Any) -> str:
@@ -250,10 +288,11 @@ def read(bundle: Path) -> Manifest:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path} is not valid JSON ({e}): re-export the bundle") from None
-    m = Manifest.from_json(data)
-    if m.bundle_id != m.with_id().bundle_id:
+    schema_version(data)  # first: a newer schema may define its id differently
+    # The id covers the manifest as written (before any migration), so old bundles keep their ids.
+    if data.get("bundle_id") != content_id(data):
         raise BundleError(f"{path} was modified after export (its bundle_id does not match its content): re-export it")
-    return m
+    return Manifest.from_json(data)
 
 
 def verify_files(bundle: Path, manifest: Manifest) -> None:

@@ -22,11 +22,11 @@ def bundle_copy(fp32_bundles, tmp_path: Path) -> Path:
 
 
 def _rewrite_manifest(bundle: Path, edit) -> None:
-    from runtime.manifest import Manifest, canonical_json
+    from runtime.manifest import canonical_json, content_id
 
     data = json.loads((bundle / "manifest.json").read_text())
     edit(data)
-    data["bundle_id"] = Manifest.from_json(data).with_id().bundle_id
+    data["bundle_id"] = content_id(data)
     (bundle / "manifest.json").write_text(canonical_json(data))
 
 
