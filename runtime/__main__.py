@@ -4,6 +4,9 @@
     python -m runtime encode  BUNDLE --prompt "..." --out embeds.safetensors
     python -m runtime denoise BUNDLE --embeds embeds.safetensors --out latents.safetensors
     python -m runtime decode  BUNDLE --latents latents.safetensors --out video.mp4
+    python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
+    python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
+    python -m runtime warm    BUNDLE     # compile every program into the compilation cache
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    cache = common.add_argument_group("compilation cache (the second start of a bundle skips compiling)")
+    cache.add_argument("--cache-dir", type=Path, default=None,
+                       help="JAX compilation cache directory (default: $WAN_AOT_CACHE_DIR or ~/.cache/wan-aot/jax)")
+    cache.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     multi = common.add_argument_group("multi-host (one process per host; process 0 writes the outputs)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
     multi.add_argument("--num-processes", type=int, help="processes in the job")
@@ -67,6 +74,16 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--fps", type=int, default=None)
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
+
+    c = sub.add_parser("verify", parents=[common], help="check a bundle: schema, sha256, tensors, programs, "
+                                                         "jax versions, devices")
+    _bundle_arg(c)
+    i = sub.add_parser("inspect", help="summarize a bundle: stages, shapes, shardings, weight bytes per device")
+    _bundle_arg(i)
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    w = sub.add_parser("warm", parents=[common], help="compile every program into the compilation cache "
+                                                       "(no weights loaded, nothing run)")
+    _bundle_arg(w)
     return p
 
 
@@ -78,13 +95,21 @@ def _write_videos(frames: Any, out: Path, fps: int) -> list[Path]:
     return [write_video(f, out.with_name(f"{out.stem}-{i}{out.suffix}"), fps=fps) for i, f in enumerate(frames)]
 
 
-def run(args: argparse.Namespace) -> None:
-    from . import distributed
+def run(args: argparse.Namespace) -> int:
+    if args.command == "inspect":
+        return inspect(args)
+    from . import cache, distributed
     from . import intermediates as im
     from .files import check_writable
     from .pipeline import load
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
+    if not args.no_cache:
+        cache.enable(args.cache_dir)
+    if args.command == "verify":
+        return verify(args)
+    if args.command == "warm":
+        return warm(args)
     primary = distributed.is_primary()
     for out in (args.out, getattr(args, "frames_out", None)):
         if out is not None and primary:
@@ -124,23 +149,69 @@ def run(args: argparse.Namespace) -> None:
         if primary:
             im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, s.to_json())
             log.info("wrote %s", args.out)
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    from .verify import FAIL, verify
+
+    checks = verify(args.bundle)
+    for c in checks:
+        print(f"{c.status:<5} {c.message}")
+    failed = [c for c in checks if c.status == FAIL]
+    if failed:
+        print(f"error: {args.bundle}: {len(failed)} check(s) failed", file=sys.stderr)
+        return 2
+    print(f"{args.bundle} is ready to run on this machine")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from . import manifest as mf
+    from .summary import format_text, summarize
+
+    s = summarize(args.bundle, mf.read(args.bundle))
+    print(json.dumps(s, indent=1) if args.json else format_text(s))
+    return 0
+
+
+def warm(args: argparse.Namespace) -> int:
+    import time
+
+    from .bundle import open_bundle
+
+    bundle = open_bundle(args.bundle)
+    log = logging.getLogger("runtime")
+    for name in bundle.manifest.programs:
+        t = time.perf_counter()
+        bundle.compile(name)
+        log.info("compiled %s in %.1f s", name, time.perf_counter() - t)
+    from .pipeline import Pipeline
+
+    Pipeline(bundle).initial_latents(0)  # the noise sampler is a small jax program of its own
+    import jax
+
+    where = jax.config.jax_compilation_cache_dir
+    print(f"compiled {len(bundle.manifest.programs)} programs" + (f" into {where}" if where else " (no cache)"))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("runtime").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    logging.getLogger("runtime").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     from .errors import UserError
 
     try:
-        run(args)
+        return run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

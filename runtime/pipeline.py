@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,8 +99,12 @@ class Pipeline:
 
     def denoise(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                 guidance: float | None = None, flow_shift: float | None = None,
-                latents: np.ndarray | None = None, progress: bool = True) -> np.ndarray:
-        """Run the denoising loop; returns float32 latents (B, C, T, H/8, W/8)."""
+                latents: np.ndarray | None = None, progress: bool = True,
+                on_step: Callable[[int], None] | None = None) -> np.ndarray:
+        """Run the denoising loop; returns float32 latents (B, C, T, H/8, W/8).
+
+        `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
+        """
         s = self.settings(seed, steps, guidance, flow_shift)
         g = self.geometry
         for key in ("prompt_embeds", "negative_prompt_embeds"):
@@ -131,6 +135,8 @@ class Pipeline:
             if not bool(fetch(finite)):
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
                                 f"{s.steps}: check the weights, guidance ({s.guidance}) and dtype")
+            if on_step is not None:
+                on_step(i)
         return fetch(state_dev)[0].astype(np.float32)
 
     # -- decode -------------------------------------------------------------

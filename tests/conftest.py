@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The CLI's persistent compilation cache: one per test session, never the user's.
+os.environ["WAN_AOT_CACHE_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-cache-")
+atexit.register(shutil.rmtree, os.environ["WAN_AOT_CACHE_DIR"], True)
 
 
 def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True,

@@ -90,6 +90,34 @@ def test_incomplete_multihost_flags_are_refused(cpu8_bundle: Path, tmp_path: Pat
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --coordinator, --num-processes and")
 
 
+DEVICE0_BYTES = """
+import json, sys
+import runtime
+b = runtime.load(sys.argv[1]).bundle
+dev = b.mesh.devices.flat[0]
+out = {}
+for program, spec in b.manifest.programs.items():
+    if spec.weights not in out:
+        arrays = b.weights(spec.weights, program).values()
+        out[spec.weights] = sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
+print(json.dumps(out))
+"""
+
+
+def test_inspect_weight_bytes_per_device_match_the_placed_shards(cpu8_bundle: Path) -> None:
+    import json
+
+    summary = json.loads(run_module("runtime", "inspect", str(cpu8_bundle), "--json").stdout)
+    proc = subprocess.run([sys.executable, "-c", DEVICE0_BYTES, str(cpu8_bundle)], cwd=ROOT, capture_output=True,
+                          text=True, env={**__import__("os").environ, **_devices(8), "PYTHONPATH": str(ROOT),
+                                          "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placed = json.loads(proc.stdout.strip().splitlines()[-1])
+    per_device = {g: w["bytes_per_device"] for g, w in summary["weights"].items()}
+    assert per_device == placed
+    assert per_device["transformer"] < summary["weights"]["transformer"]["bytes"]  # tp-sharded on cpu-8
+
+
 SHARDED_ATTENTION = """
 import jax, numpy as np
 from export.attention import AttentionConfig, attention

@@ -1,0 +1,156 @@
+"""`python -m runtime inspect`: what a bundle holds, readable (or as JSON), without running anything."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import manifest as mf
+from .targets import format_mesh
+
+
+def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
+    """Stages, shapes, shardings, weight bytes per device, defaults and versions of a bundle."""
+    g = m.geometry
+    mesh = m.target.mesh
+    weights = {}
+    for group, wf in m.weights.items():
+        total = per_device = 0
+        sharded = 0
+        for name, t in wf.tensors.items():
+            nbytes = math.prod(t.shape) * np.dtype(_np_dtype(t.dtype)).itemsize
+            split = math.prod(mesh[a] for a in _axes(wf.partition.get(name, [])))
+            total += nbytes
+            per_device += nbytes // split
+            sharded += split > 1
+        weights[group] = {"file": wf.file, "tensors": len(wf.tensors), "sharded_tensors": sharded,
+                          "bytes": total, "bytes_per_device": per_device}
+    stages = {}
+    for name, p in m.programs.items():
+        stage: dict[str, Any] = {"file": p.file, "bytes": _size(path, p.file), "weights": p.weights,
+                                 "inputs": {k: _spec(v) for k, v in p.inputs.items()},
+                                 "outputs": {k: _spec(v) for k, v in p.outputs.items()}}
+        stage.update(_program_shardings(path, m, name))
+        stages[name] = stage
+    return {
+        "bundle": str(path), "bundle_id": m.bundle_id, "schema_version": m.schema_version,
+        "source": {k: v for k, v in m.source.items() if k != "config"},
+        "target": {"name": m.target.name, "platform": m.target.platform, "mesh": format_mesh(mesh),
+                   "devices": m.target.num_devices, "device_kind": m.target.device_kind},
+        "geometry": {"width": g.width, "height": g.height, "frames": g.frames, "batch": g.batch,
+                     "max_sequence_length": g.max_sequence_length, "latents": list(g.latent_shape),
+                     "prompt_embeds": list(g.embeds_shape)},
+        "dtype": m.dtype, "attention": m.attention,
+        "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance,
+                     "flow_shift": m.defaults.flow_shift, "fps": m.defaults.fps},
+        "scheduler": m.scheduler, "stages": stages, "weights": weights,
+        "weights_attached": m.has_weights, "versions": m.versions,
+    }
+
+
+def format_text(s: dict[str, Any]) -> str:
+    t, g, d = s["target"], s["geometry"], s["defaults"]
+    src = s["source"]
+    revision = f", revision {src['revision']}" if src.get("revision") else ""
+    lines = [
+        f"bundle     {s['bundle']}  (id {s['bundle_id']}, schema {s['schema_version']})",
+        f"source     {src.get('id')} ({src.get('kind')}{revision})",
+        f"target     {t['name']}: {t['platform']} x {t['devices']}, mesh {t['mesh']}"
+        + (f", {t['device_kind']}" if t["device_kind"] else ""),
+        f"video      {g['width']}x{g['height']}, {g['frames']} frames, batch {g['batch']}; latents {g['latents']}, "
+        f"prompt embeds {g['prompt_embeds']} (max {g['max_sequence_length']} tokens)",
+        f"dtype      {s['dtype']} (VAE fp32); attention {_kv(s['attention'])}",
+        f"defaults   {d['steps']} steps, guidance {d['guidance']}, flow shift {d['flow_shift']}, {d['fps']} fps",
+        f"scheduler  UniPC order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}",
+        f"versions   {_kv(s['versions'])}",
+        "",
+        "stages",
+    ]
+    for name, st in s["stages"].items():
+        lines.append(f"  {name:<18} {st['file']} ({_bytes(st['bytes'])}), weights: {st['weights']}")
+        if "error" in st:
+            lines.append(f"    (cannot read the program: {st['error']})")
+        for kind, key in (("in ", "args"), ("out", "results")):
+            for (aval, sharding), n in _runs([(a["aval"], a["sharding"]) for a in st.get(key, [])]):
+                lines.append(f"    {kind}  {aval:<32} {sharding}" + (f"  (x{n})" if n > 1 else ""))
+    lines += ["", f"weights{'' if s['weights_attached'] else ' (not attached: exported with --no-weights)'}",
+              f"  {'group':<14} {'tensors':>8} {'sharded':>8} {'total':>10} {'per device':>11}"]
+    for group, w in s["weights"].items():
+        lines.append(f"  {group:<14} {w['tensors']:>8} {w['sharded_tensors']:>8} {_bytes(w['bytes']):>10} "
+                     f"{_bytes(w['bytes_per_device']):>11}")
+    total = sum(w["bytes"] for w in s["weights"].values())
+    per_device = sum(w["bytes_per_device"] for w in s["weights"].values())
+    lines.append(f"  {'all':<14} {'':>8} {'':>8} {_bytes(total):>10} {_bytes(per_device):>11}")
+    return "\n".join(lines)
+
+
+def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:
+    """Positional (non-weight) arguments and results with their HLO shardings, from the program itself."""
+    from .bundle import load_program
+    from .errors import BundleError
+
+    ref = m.programs[name]
+    try:
+        if mf.sha256_file(mf.resolve(path, ref.file)) != ref.sha256:
+            return {"error": f"{ref.file} does not match its sha256"}
+        exp = load_program(path, m, name)
+    except (BundleError, OSError) as e:
+        return {"error": str(e)}
+    n_weights = len(m.weights[ref.weights].tensors)
+
+    def entry(aval: Any, sharding: Any) -> dict[str, str]:
+        return {"aval": aval.str_short(), "sharding": "unspecified" if sharding is None else str(sharding)}
+
+    return {"args": [entry(a, sh) for a, sh in zip(exp.in_avals[n_weights:], exp.in_shardings_hlo[n_weights:])],
+            "results": [entry(a, sh) for a, sh in zip(exp.out_avals, exp.out_shardings_hlo)]}
+
+
+def _runs(items: list[Any]) -> list[tuple[Any, int]]:
+    """Consecutive equal items as (item, count): the VAE's dozens of cache arguments read as a few lines."""
+    out: list[tuple[Any, int]] = []
+    for item in items:
+        if out and out[-1][0] == item:
+            out[-1] = (item, out[-1][1] + 1)
+        else:
+            out.append((item, 1))
+    return out
+
+
+def _axes(entry: list[Any]) -> list[str]:
+    out = []
+    for e in entry:
+        if isinstance(e, str):
+            out.append(e)
+        elif isinstance(e, list):
+            out += e
+    return out
+
+
+def _np_dtype(name: str) -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _spec(t: mf.TensorSpec) -> str:
+    return f"{t.dtype}{list(t.shape)}"
+
+
+def _size(path: Path, rel: str) -> int:
+    p = mf.resolve(path, rel)
+    return p.stat().st_size if p.is_file() else 0
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())

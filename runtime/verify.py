@@ -1,0 +1,137 @@
+"""`python -m runtime verify`: everything that can be checked about a bundle before it runs.
+
+Schema and manifest integrity, every file's sha256, the weight files' tensors against the
+manifest, the programs against this jax, and the devices this machine has against the target.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from . import compat
+from . import manifest as mf
+from .errors import BundleError
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclass(frozen=True)
+class Check:
+    status: str  # OK, WARN or FAIL
+    message: str
+
+
+def verify(path: Path) -> list[Check]:
+    """Run every check; stops early only when the manifest itself cannot be read."""
+    checks: list[Check] = []
+    try:
+        m = mf.read(path)
+    except BundleError as e:
+        return [Check(FAIL, str(e))]
+    raw_version = json.loads((path / mf.MANIFEST_FILE).read_text())["schema_version"]
+    migrated = f", read through the migration from {raw_version}" if raw_version != mf.SCHEMA_VERSION else ""
+    checks.append(Check(OK, f"manifest: schema {raw_version} (this runtime reads {mf.SCHEMA_VERSION}{migrated}), "
+                            f"bundle id {m.bundle_id} matches its content"))
+    if not m.has_weights:
+        from .bundle import no_weights_message
+
+        checks.append(Check(FAIL, no_weights_message(path)))
+
+    files_ok = True
+    total = 0
+    for ref in m.files():
+        try:
+            full = mf.resolve(path, ref.file)
+            if not full.is_file():
+                raise BundleError(f"bundle file {ref.file} is missing: re-copy or re-export the bundle")
+            if mf.sha256_file(full) != ref.sha256:
+                raise BundleError(f"bundle file {ref.file} does not match its sha256 in the manifest "
+                                  "(tampered or truncated): re-copy or re-export the bundle")
+            total += full.stat().st_size
+        except BundleError as e:
+            files_ok = False
+            checks.append(Check(FAIL, str(e)))
+    if files_ok:
+        checks.append(Check(OK, f"files: {len(m.files())} match their sha256 ({total / 1e6:.1f} MB)"))
+        checks += _check_tensors(path, m)
+        checks += _check_programs(path, m)
+
+    try:
+        warnings = compat.check_versions(m.versions)
+        checks += [Check(WARN, w) for w in warnings]
+        if not warnings:
+            checks.append(Check(OK, f"versions: exported with jax {m.versions['jax']}, jaxlib "
+                                    f"{m.versions.get('jaxlib')}, as installed"))
+    except BundleError as e:
+        checks.append(Check(FAIL, str(e)))
+
+    try:
+        from .bundle import make_mesh
+
+        mesh = make_mesh(m.target)
+        checks.append(Check(OK, f"devices: {mesh.devices.size} x {jax.devices()[0].platform} "
+                                f"({jax.devices()[0].device_kind}) for target {m.target.name}"))
+        if m.target.device_kind and m.target.device_kind != jax.devices()[0].device_kind:
+            checks.append(Check(WARN, f"programs were tuned for {m.target.device_kind!r}, this machine has "
+                                      f"{jax.devices()[0].device_kind!r}"))
+    except BundleError as e:
+        checks.append(Check(FAIL, str(e)))
+    return checks
+
+
+def _check_tensors(path: Path, m: mf.Manifest) -> list[Check]:
+    """Each weight file holds exactly the manifest's tensors, with their shapes and dtypes (headers only)."""
+    from safetensors import safe_open
+
+    from .bundle import safetensors_dtype
+
+    out: list[Check] = []
+    count = files = 0
+    for wf in m.weights.values():
+        if wf.file is None:
+            continue
+        files += 1
+        with safe_open(str(mf.resolve(path, wf.file)), framework="numpy") as f:
+            present = set(f.keys())
+            for name, spec in wf.tensors.items():
+                if name not in present:
+                    out.append(Check(FAIL, f"weights file {wf.file} has no tensor {name!r}: re-export the bundle"))
+                    continue
+                sl = f.get_slice(name)
+                shape, dtype = tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype()).name
+                if shape != spec.shape or dtype != spec.dtype:
+                    out.append(Check(FAIL, f"tensor {name!r} in {wf.file} is {dtype}{list(shape)}, the manifest "
+                                           f"says {spec.dtype}{list(spec.shape)}: re-export the bundle"))
+            count += len(wf.tensors)
+    if not out and files:
+        out.append(Check(OK, f"weights: {count} tensors in {files} files, names, shapes and dtypes "
+                             "as the manifest lists"))
+    return out
+
+
+def _check_programs(path: Path, m: mf.Manifest) -> list[Check]:
+    from .bundle import load_program
+
+    out: list[Check] = []
+    conventions = set()
+    for name in m.programs:
+        try:
+            exp = load_program(path, m, name)
+        except BundleError as e:
+            out.append(Check(FAIL, str(e)))
+            continue
+        conventions.add(exp.calling_convention_version)
+        want = "cuda" if m.target.platform == "cuda" else m.target.platform
+        if want not in exp.platforms:
+            out.append(Check(FAIL, f"program {name} was exported for {exp.platforms}, the manifest says {want}: "
+                                   "re-export the bundle"))
+    if not out:
+        lo = jax.export.minimum_supported_calling_convention_version
+        hi = jax.export.maximum_supported_calling_convention_version
+        out.append(Check(OK, f"programs: {len(m.programs)} deserialize, calling convention "
+                             f"{', '.join(map(str, sorted(conventions)))} (this jax runs {lo}..{hi})"))
+    return out
