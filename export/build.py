@@ -265,11 +265,26 @@ def write_tokenizer(bundle: Path, tokenizer_json: str) -> FileRef:
 def _fresh_tmp(out: Path) -> Path:
     """An empty temporary sibling of `out` (same filesystem, so the final rename is atomic)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by an export that was killed
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            log.info("removing %s, left by an interrupted export", stale)
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     for sub in ("stages", "weights", "tokenizer"):
         (tmp / sub).mkdir(parents=True)
     return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
