@@ -126,10 +126,12 @@ def dit_shape(src: Source, geo: Geometry) -> sharding.DitShape:
     return sharding.DitShape(heads=int(cfg["num_attention_heads"]), tokens=tokens, batch=2 * geo.batch)
 
 
-def load_component(src: Source, group: str, attention: AttentionConfig, mesh: Any = None) -> tuple[Any, Extracted]:
+def load_component(src: Source, group: str, attention: AttentionConfig, mesh: Any = None,
+                   platform: str = "cpu") -> tuple[Any, Extracted]:
     """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
 
     Only the DiT runs the TPU kernel (sharded over `mesh`); the text encoder and VAE use XLA attention.
+    On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py).
     """
     if group != "transformer":
         attention = dataclasses.replace(attention, kernel="xla")
@@ -141,7 +143,7 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
         return module, extract(module, attention, mesh, {r"blocks\.\d+": sharding.DIT_HIDDEN})
     if group == "vae":
         module = src.load_vae()
-        return module, extract(vae_decode.decoder_module(module), attention)
+        return module, extract(vae_decode.decoder_module(module), attention, conv_as_2d=platform == "cpu")
     raise KeyError(group)
 
 
@@ -212,7 +214,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             del module, ex
             gc.collect()
 
-            vae, ex = load_component(src, "vae", attention)
+            vae, ex = load_component(src, "vae", attention, platform=s.target.platform)
             caches = vae_decode.cache_specs(vae, (geo.latent_height, geo.latent_width), geo.batch)
             add_weights("vae", ex.weights)
             chunk = TensorSpec((geo.batch, geo.latent_channels, 1, geo.latent_height, geo.latent_width), "float32")

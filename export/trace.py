@@ -32,16 +32,21 @@ class Extracted:
 
 
 def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None = None,
-            constraints: dict[str, PartitionSpec] | None = None) -> Extracted:
+            constraints: dict[str, PartitionSpec] | None = None, conv_as_2d: bool = False) -> Extracted:
     """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy).
 
     With `mesh`, attention is pinned to the DiT layout and `constraints` maps submodule-name
     patterns to the PartitionSpec of their first input (e.g. every transformer block's
-    hidden states), so the sharding survives the trip through torch code.
+    hidden states), so the sharding survives the trip through torch code. `conv_as_2d` runs 3D
+    convolutions as 2D ones (export/conv.py; for the VAE on CPU).
     """
     tx = load_torchax()
     env = tx.default_env()
     install(env, attention, mesh)
+    if conv_as_2d:
+        from . import conv
+
+        conv.install(env)
     if mesh is not None:
         for pattern, spec in (constraints or {}).items():
             for name, sub in module.named_modules():
