@@ -68,16 +68,15 @@ def tokenizer_json() -> str:
     return tok.to_str()
 
 
-def build_pipeline(variant: str = "tiny") -> Any:
+def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
+    """A WanPipeline with seeded random weights: a named variant, or a spec shaped like VARIANTS' values."""
     """Build the random-weight WanPipeline for `variant` (fp32, CPU)."""
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-    if variant not in VARIANTS:
-        raise KeyError(variant)
-    spec = VARIANTS[variant]
+    spec = variant if isinstance(variant, dict) else VARIANTS[variant]
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(tokenizer_json()),
         pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512,

@@ -118,14 +118,15 @@ class Bundle:
                     for name, a in w_avals.items()}
             return self._layouts[group]
 
-    def compile(self, name: str) -> None:
-        """Compile a program for this mesh without weights or inputs: fills the persistent compilation cache."""
+    def compile(self, name: str) -> Any:
+        """Compile a program for this mesh without weights or inputs (fills the persistent compilation cache);
+        returns the jax Compiled object (its HLO and cost analysis are what tools/roofline.py reads)."""
         exp = self.program(name)
         layout = self.weight_layout(self.manifest.programs[name].weights, name)
         weights = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s) for k, (s, shape, dtype) in layout.items()}
         (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
         inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, self.input_shardings(name))]
-        jax.jit(exp.call).lower(weights, *inputs).compile()
+        return jax.jit(exp.call).lower(weights, *inputs).compile()
 
 
 def load_sharded(path: Path, shardings: dict[str, Any], expected: dict[str, tuple[tuple[int, ...], np.dtype]],
