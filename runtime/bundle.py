@@ -142,15 +142,24 @@ def load_sharded(path: Path, shardings: dict[str, Any], expected: dict[str, tupl
     with safe_open(str(path), framework="numpy") as f:
         present = set(f.keys())
         for name, (want_shape, want_dtype) in expected.items():
-            if name not in present:
-                raise BundleError(f"weights file {label} has no tensor {name!r}: re-export the bundle")
-            sl = f.get_slice(name)
-            shape, dtype = tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype())
-            if shape != want_shape or dtype != want_dtype:
-                raise BundleError(f"tensor {name!r} in {label} is {dtype.name}{list(shape)} but the program "
-                                  f"expects {want_dtype.name}{list(want_shape)}: re-export the bundle")
-            out[name] = _place(sl, shape, shardings[name])
+            problem = tensor_mismatch(f, present, name, want_shape, want_dtype, label, "the program expects")
+            if problem:
+                raise BundleError(problem)
+            out[name] = _place(f.get_slice(name), want_shape, shardings[name])
     return out
+
+
+def tensor_mismatch(f: Any, present: set[str], name: str, want_shape: tuple[int, ...], want_dtype: np.dtype,
+                    label: str, who: str) -> str | None:
+    """Why tensor `name` of the open safetensors file `f` is not what `who` wants (headers only), or None."""
+    if name not in present:
+        return f"weights file {label} has no tensor {name!r}: re-export the bundle"
+    sl = f.get_slice(name)
+    shape, dtype = tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype())
+    if shape != tuple(want_shape) or dtype != want_dtype:
+        return (f"tensor {name!r} in {label} is {dtype.name}{list(shape)}, {who} {np.dtype(want_dtype).name}"
+                f"{list(want_shape)}: re-export the bundle")
+    return None
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,

@@ -295,12 +295,18 @@ def read(bundle: Path) -> Manifest:
     return Manifest.from_json(data)
 
 
+def check_file(bundle: Path, ref: FileRef) -> Path:
+    """The path of a listed file, after checking that it exists and matches its sha256."""
+    path = resolve(bundle, ref.file)
+    if not path.is_file():
+        raise BundleError(f"bundle file {ref.file} is missing: re-copy or re-export the bundle")
+    if sha256_file(path) != ref.sha256:
+        raise BundleError(f"bundle file {ref.file} does not match its sha256 in the manifest "
+                          "(tampered or truncated): re-copy or re-export the bundle")
+    return path
+
+
 def verify_files(bundle: Path, manifest: Manifest) -> None:
     """Check every file the manifest lists against its sha256."""
     for ref in manifest.files():
-        path = resolve(bundle, ref.file)
-        if not path.is_file():
-            raise BundleError(f"bundle file {ref.file} is missing: re-copy or re-export the bundle")
-        if sha256_file(path) != ref.sha256:
-            raise BundleError(f"bundle file {ref.file} does not match its sha256 in the manifest "
-                              "(tampered or truncated): re-copy or re-export the bundle")
+        check_file(bundle, ref)

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers the "bfloat16" dtype name with numpy)
 import numpy as np
 
 from . import manifest as mf
@@ -21,7 +22,7 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
         total = per_device = 0
         sharded = 0
         for name, t in wf.tensors.items():
-            nbytes = math.prod(t.shape) * np.dtype(_np_dtype(t.dtype)).itemsize
+            nbytes = math.prod(t.shape) * np.dtype(t.dtype).itemsize  # ml_dtypes registers "bfloat16"
             split = math.prod(mesh[a] for a in _axes(wf.partition.get(name, [])))
             total += nbytes
             per_device += nbytes // split
@@ -94,8 +95,7 @@ def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:
 
     ref = m.programs[name]
     try:
-        if mf.sha256_file(mf.resolve(path, ref.file)) != ref.sha256:
-            return {"error": f"{ref.file} does not match its sha256"}
+        mf.check_file(path, ref)
         exp = load_program(path, m, name)
     except (BundleError, OSError) as e:
         return {"error": str(e)}
@@ -127,12 +127,6 @@ def _axes(entry: list[Any]) -> list[str]:
         elif isinstance(e, list):
             out += e
     return out
-
-
-def _np_dtype(name: str) -> Any:
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 def _spec(t: mf.TensorSpec) -> str:

@@ -45,13 +45,7 @@ def verify(path: Path) -> list[Check]:
     total = 0
     for ref in m.files():
         try:
-            full = mf.resolve(path, ref.file)
-            if not full.is_file():
-                raise BundleError(f"bundle file {ref.file} is missing: re-copy or re-export the bundle")
-            if mf.sha256_file(full) != ref.sha256:
-                raise BundleError(f"bundle file {ref.file} does not match its sha256 in the manifest "
-                                  "(tampered or truncated): re-copy or re-export the bundle")
-            total += full.stat().st_size
+            total += mf.check_file(path, ref).stat().st_size
         except BundleError as e:
             files_ok = False
             checks.append(Check(FAIL, str(e)))
@@ -85,9 +79,10 @@ def verify(path: Path) -> list[Check]:
 
 def _check_tensors(path: Path, m: mf.Manifest) -> list[Check]:
     """Each weight file holds exactly the manifest's tensors, with their shapes and dtypes (headers only)."""
+    import numpy as np
     from safetensors import safe_open
 
-    from .bundle import safetensors_dtype
+    from .bundle import tensor_mismatch
 
     out: list[Check] = []
     count = files = 0
@@ -98,14 +93,10 @@ def _check_tensors(path: Path, m: mf.Manifest) -> list[Check]:
         with safe_open(str(mf.resolve(path, wf.file)), framework="numpy") as f:
             present = set(f.keys())
             for name, spec in wf.tensors.items():
-                if name not in present:
-                    out.append(Check(FAIL, f"weights file {wf.file} has no tensor {name!r}: re-export the bundle"))
-                    continue
-                sl = f.get_slice(name)
-                shape, dtype = tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype()).name
-                if shape != spec.shape or dtype != spec.dtype:
-                    out.append(Check(FAIL, f"tensor {name!r} in {wf.file} is {dtype}{list(shape)}, the manifest "
-                                           f"says {spec.dtype}{list(spec.shape)}: re-export the bundle"))
+                problem = tensor_mismatch(f, present, name, spec.shape, np.dtype(spec.dtype), wf.file,
+                                          "the manifest says")
+                if problem:
+                    out.append(Check(FAIL, problem))
             count += len(wf.tensors)
     if not out and files:
         out.append(Check(OK, f"weights: {count} tensors in {files} files, names, shapes and dtypes "
