@@ -21,8 +21,10 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from runtime import images, kinds
 from runtime import scheduler as sched
 from runtime.errors import UserError
+from runtime.kinds import Kind
 from runtime.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
@@ -38,7 +40,8 @@ from runtime.manifest import (
     sha256_file,
 )
 
-from . import denoise, sharding, text_encoder, vae_decode
+from . import denoise, image_encoder, sharding, text_encoder
+from . import vae as vae_stage
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .source import Source
@@ -61,17 +64,26 @@ class Settings:
     attention: AttentionConfig = AttentionConfig()
 
 
-def parse_resolution(text: str) -> tuple[int, int]:
-    """'480p', '720p' or 'WxH' -> (width, height), both multiples of 16."""
+def size_multiple(src: Source) -> int:
+    """Pixel sizes must divide by the VAE's spatial scale times the DiT's patch (16 for Wan 2.1, 32 for TI2V)."""
+    s_scale = int(src.vae_config.get("scale_factor_spatial") or 8)
+    return s_scale * int(max(src.transformer_config["patch_size"][1:]))
+
+
+def parse_resolution(text: str, multiple: int = 16) -> tuple[int, int]:
+    """'480p', '720p' (the family's native size: 1280x720 rounded down to `multiple`, as diffusers rounds,
+    e.g. 1280x704 for TI2V-5B) or 'WxH' -> (width, height), both multiples of `multiple`."""
     if text in RESOLUTIONS:
-        return RESOLUTIONS[text]
+        w, h = RESOLUTIONS[text]
+        return w // multiple * multiple, h // multiple * multiple
     m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
     if not m:
         raise UserError(f"resolution {text!r} is not 480p, 720p or WIDTHxHEIGHT (e.g. 832x480)")
     w, h = int(m.group(1)), int(m.group(2))
-    if w <= 0 or h <= 0 or w % 16 or h % 16:
-        raise UserError(f"resolution {w}x{h} is not a multiple of 16 in both width and height "
-                        f"(try {max(16, round(w / 16) * 16)}x{max(16, round(h / 16) * 16)})")
+    if w <= 0 or h <= 0 or w % multiple or h % multiple:
+        near = f"{max(multiple, round(w / multiple) * multiple)}x{max(multiple, round(h / multiple) * multiple)}"
+        raise UserError(f"resolution {w}x{h} is not a multiple of {multiple} in both width and height (the VAE's "
+                        f"spatial scale times the DiT's patch size for this model): try {near}")
     return w, h
 
 
@@ -90,11 +102,11 @@ def geometry(src: Source, s: Settings) -> Geometry:
     if int(tr_cfg["text_dim"]) != text_dim:
         raise UserError(f"transformer text_dim {tr_cfg['text_dim']} != text encoder d_model {text_dim}")
     ph, pw = tr_cfg["patch_size"][1], tr_cfg["patch_size"][2]
-    if (s.height // s_scale) % ph or (s.width // s_scale) % pw:
+    if s.height % s_scale or s.width % s_scale or (s.height // s_scale) % ph or (s.width // s_scale) % pw:
         raise UserError(f"{s.width}x{s.height} does not divide into the DiT's {pw}x{ph} patches of the "
                         f"{s_scale}x-downscaled latent")
     return Geometry(width=s.width, height=s.height, frames=s.frames, batch=s.batch,
-                    max_sequence_length=s.max_sequence_length, latent_channels=int(tr_cfg["in_channels"]),
+                    max_sequence_length=s.max_sequence_length, latent_channels=int(vae_cfg.get("z_dim") or 16),
                     latent_frames=(s.frames - 1) // t_scale + 1, latent_height=s.height // s_scale,
                     latent_width=s.width // s_scale, text_dim=text_dim, temporal_scale=t_scale,
                     spatial_scale=s_scale)
@@ -111,7 +123,14 @@ def versions() -> dict[str, str]:
 
 
 # Weight group -> partition-rule family (export/sharding.py).
-FAMILIES = {"text_encoder": "umt5", "transformer": "wan_transformer", "vae": "wan_vae"}
+FAMILIES = {"text_encoder": "umt5", "image_encoder": "clip_vision", "transformer": "wan_transformer",
+            "transformer_2": "wan_transformer", "vae": "wan_vae"}
+
+
+def weight_groups(src: Source) -> list[str]:
+    """The weight groups (one safetensors file each) a bundle of `src`'s kind holds, in load order."""
+    kind = src.model
+    return ["text_encoder", *(["image_encoder"] if kind.image_encoder else []), *kind.expert_groups, "vae"]
 
 
 def attention_for(target: Target, base: AttentionConfig) -> AttentionConfig:
@@ -130,20 +149,24 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
                    platform: str = "cpu") -> tuple[Any, Extracted]:
     """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
 
-    Only the DiT runs the TPU kernel (sharded over `mesh`); the text encoder and VAE use XLA attention.
+    Only the DiT runs the TPU kernel (sharded over `mesh`); the encoders and VAE use XLA attention.
     On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py).
     """
-    if group != "transformer":
+    if group not in ("transformer", "transformer_2"):
         attention = dataclasses.replace(attention, kernel="xla")
     if group == "text_encoder":
         module = src.load_text_encoder()
         return module, extract(module, attention)
-    if group == "transformer":
-        module = src.load_transformer()
+    if group == "image_encoder":
+        module = src.load_image_encoder()
+        return module, extract(module, attention)
+    if group in ("transformer", "transformer_2"):
+        module = src.load_transformer(group)
         return module, extract(module, attention, mesh, {r"blocks\.\d+": sharding.DIT_HIDDEN})
     if group == "vae":
         module = src.load_vae()
-        return module, extract(vae_decode.decoder_module(module), attention, conv_as_2d=platform == "cpu")
+        parts = vae_stage.module(module, encode=bool(src.model.vae_encode))
+        return module, extract(parts, attention, conv_as_2d=platform == "cpu")
     raise KeyError(group)
 
 
@@ -153,6 +176,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
+    kind = src.model
     geo = geometry(src, s)
     sharding.check_dit(s.target, dit_shape(src, geo), src.id)
     sched_cfg = sched.config_from_diffusers(src.scheduler_config)
@@ -190,6 +214,11 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             programs[name] = ProgramSpec(file=rel, sha256=sha256_file(tmp / rel), weights=group,
                                          inputs=inputs, outputs=outs)
 
+        def release(*objs: Any) -> None:
+            del objs
+            gc.collect()
+
+        model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
             n2, L, D = 2 * geo.batch, geo.max_sequence_length, geo.text_dim
@@ -198,49 +227,58 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             add_program("text_encoder", "text_encoder", text_encoder.build(ex),
                         {"ids": TensorSpec((n2, L), "int32"), "mask": TensorSpec((n2, L), "int32")},
                         ["embeds"])
-            del module, ex
-            gc.collect()
+            release(module, ex)
 
-            module, ex = load_component(src, "transformer", attention, mesh)
-            add_weights("transformer", ex.weights)
-            model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
-            add_program("denoise_step", "transformer", denoise.build(ex, order, model_dtype), {
-                "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
-                "context": TensorSpec((n2, L, D), "float32"),
-                "timestep": TensorSpec((), "int32"),
-                "guidance": TensorSpec((), "float32"),
-                "row": TensorSpec((sched.row_size(order),), "float32"),
-            }, ["state", "finite"], {"context": PartitionSpec("dp")})
-            del module, ex
-            gc.collect()
+            image_tokens = None
+            if kind.image_encoder:
+                cfg = src.image_encoder_config or {}
+                size, n_images = int(cfg["image_size"]), 2 if kind.last_image else 1
+                module, ex = load_component(src, "image_encoder", attention)
+                add_weights("image_encoder", ex.weights)
+                add_program("image_encoder", "image_encoder", image_encoder.build(ex, model_dtype),
+                            {"pixels": TensorSpec((n_images, 3, size, size), "float32")}, ["image_embeds"])
+                image_tokens = programs["image_encoder"].outputs["image_embeds"].shape  # (n_images, tokens, dim)
+                release(module, ex)
+
+            extras = denoise_inputs(kind, geo, image_tokens)
+            for e, group in enumerate(kind.expert_groups):
+                module, ex = load_component(src, group, attention, mesh)
+                add_weights(group, ex.weights)
+                name = kinds.denoise_program(e)
+                if e == 0:
+                    patch = tuple(src.transformer_config["patch_size"][1:])
+                    add_program(name, group, denoise.build(ex, order, model_dtype, kind, patch), {
+                        "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
+                        "context": TensorSpec((n2, L, D), "float32"),
+                        "timestep": TensorSpec((), "int32"),
+                        "guidance": TensorSpec((), "float32"),
+                        "row": TensorSpec((sched.row_size(order),), "float32"),
+                        **extras,
+                    }, ["state", "finite"], {"context": PartitionSpec("dp")})
+                else:  # the same program with this expert's weights (identical names, shapes and shardings)
+                    first = programs[kinds.denoise_program(0)]
+                    if weight_files[group].tensors != weight_files[first.weights].tensors:
+                        raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
+                    programs[name] = dataclasses.replace(first, weights=group)
+                release(module, ex)
 
             vae, ex = load_component(src, "vae", attention, platform=s.target.platform)
-            caches = vae_decode.cache_specs(vae, (geo.latent_height, geo.latent_width), geo.batch)
             add_weights("vae", ex.weights)
-            chunk = TensorSpec((geo.batch, geo.latent_channels, 1, geo.latent_height, geo.latent_width), "float32")
-            cache_inputs = {f"cache_{i:02d}": c for i, c in enumerate(caches) if c is not None}
-            cache_outputs = list(cache_inputs)
-            # Activations split on width over all devices; frames come back whole (host 0 writes the video).
-            split = {k: sharding.width_split(c.shape, s.target.mesh) for k, c in {"latents": chunk,
-                                                                                  **cache_inputs}.items()}
-            out_split = (PartitionSpec(), [split[k] for k in cache_outputs])
-            add_program("vae_decode_first", "vae", vae_decode.build(vae, ex.fn, caches, first=True),
-                        {"latents": chunk}, ["frames", *cache_outputs], split, out_split)
-            if geo.latent_frames > 1:
-                add_program("vae_decode_next", "vae", vae_decode.build(vae, ex.fn, caches, first=False),
-                            {"latents": chunk, **cache_inputs}, ["frames", *cache_outputs], split, out_split)
-            del vae, ex
-            gc.collect()
+            export_vae(vae, ex, kind, geo, s.target, add_program)
+            release(vae, ex)
 
         tokenizer = None
         if src.tokenizer_json is not None and src.weights:
             tokenizer = write_tokenizer(tmp, src.tokenizer_json)
+        image_processor = None
+        if kind.image_encoder:
+            image_processor = images.clip_config(src.image_processor_config or {})
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             source=src.describe(),
             geometry=geo,
             target=s.target,
-            defaults=Defaults(steps=50, guidance=5.0, flow_shift=sched_cfg.flow_shift, fps=16),
+            defaults=Defaults(steps=50, guidance=5.0, flow_shift=sched_cfg.flow_shift, fps=kind.fps),
             scheduler=sched_cfg.to_json(),
             dtype=s.dtype,
             attention=attention.to_json(),
@@ -248,6 +286,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             weights=weight_files,
             tokenizer=tokenizer,
             versions=versions(),
+            kind=kind.name,
+            boundary_ratio=src.boundary_ratio,
+            image_processor=image_processor,
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
         replace_dir(tmp, out)
@@ -255,6 +296,43 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def denoise_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None) -> dict[str, TensorSpec]:
+    """The denoise programs' conditioning inputs (kind.denoise_extras) and their shapes. `image_tokens` is the
+    CLIP stage's output shape (n_images, tokens, dim); the DiT takes diffusers' layout, the images of each
+    video in turn (B x n_images, tokens, dim), and FLF2V's embedder pairs them up itself."""
+    b, z, t, h, w = geo.latent_shape
+    shapes = {
+        "condition": (b, kinds.mask_channels(geo.temporal_scale) + z, t, h, w) if kind.conditioning == "concat"
+        else (b, z, 1, h, w),
+        "mask": (1, 1, t, h, w),
+        "image_embeds": (b * image_tokens[0], *image_tokens[1:]) if image_tokens else (),
+    }
+    return {name: TensorSpec(shapes[name], "float32") for name in kind.denoise_extras}
+
+
+def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any) -> None:
+    """The VAE's chunk programs: decode always, encode as the kind needs (one image, or a whole video)."""
+    directions = [("decode", geo.batch, geo.latent_height, geo.latent_width, geo.latent_frames)]
+    if kind.vae_encode:  # images are encoded once per call (batch 1) and repeated over the batch on the host
+        chunks = 1 if kind.vae_encode == "image" else geo.latent_frames
+        directions.insert(0, ("encode", 1, geo.height, geo.width, chunks))
+    for direction, batch, height, width, chunks in directions:
+        caches = vae_stage.cache_specs(vae, direction, batch, height, width)
+        cache_inputs = {f"cache_{i:02d}": c for i, c in enumerate(caches) if c is not None}
+        cache_outputs = list(cache_inputs)
+        result = "frames" if direction == "decode" else "latents"
+        build = vae_stage.build_decode if direction == "decode" else vae_stage.build_encode
+        arg = "latents" if direction == "decode" else "pixels"
+        for which in (vae_stage.FIRST, vae_stage.NEXT)[: 1 if chunks == 1 else 2]:
+            chunk = TensorSpec(vae_stage.chunk_shape(vae, direction, which, batch, height, width), "float32")
+            inputs = {arg: chunk, **(cache_inputs if which == vae_stage.NEXT else {})}
+            # Activations split on width over all devices; results come back whole (host 0 writes the video).
+            split = {k: sharding.width_split(c.shape, target.mesh) for k, c in {arg: chunk, **cache_inputs}.items()}
+            out_split = (PartitionSpec(), [split[k] for k in cache_outputs])
+            add_program(f"vae_{direction}_{which}", "vae", build(vae, ex.fn, caches, first=which == vae_stage.FIRST),
+                        inputs, [result, *cache_outputs], split, out_split)
 
 
 def write_tokenizer(bundle: Path, tokenizer_json: str) -> FileRef:

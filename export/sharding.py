@@ -9,9 +9,13 @@ From DESIGN.md section 5 and the seeds:
   FFN-down row-parallel; the CFG cond/uncond batch over dp; self-attention heads over
   tp and query sequence over sp; cross-attention query sequence over (tp, sp) with
   K/V replicated (512 text tokens are cheap to gather).
-- Text encoder (UMT5): FSDP, every weight split over all devices on its first
-  dimension that divides (gathered on use).
-- VAE: weights replicated; activations split on width over all devices.
+- Image cross-attention (Wan 2.1 I2V/FLF2V): the added K/V projections and their RMS norm
+  are column-parallel like K/V; the image embedder (a small MLP on CLIP features) and
+  FLF2V's position embedding are replicated.
+- Text encoder (UMT5) and image encoder (CLIP ViT): FSDP, every weight split over all
+  devices on its first dimension that divides (gathered on use).
+- VAE (encoder and decoder): weights replicated; activations split on width over all devices.
+- Both experts of a two-expert model (transformer, transformer_2) use the DiT rules.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ RULES: dict[str, list[tuple[str, Any]]] = {
         (_BLOCK + r"attn[12]\.to_[qkv]\.weight", ("tp", None)),  # column-parallel (out, in)
         (_BLOCK + r"attn[12]\.to_[qkv]\.bias", ("tp",)),
         (_BLOCK + r"attn[12]\.norm_[qk]\.weight", ("tp",)),  # RMS norm across heads: follows q/k columns
+        (_BLOCK + r"attn2\.add_[kv]_proj\.weight", ("tp", None)),  # image K/V: column-parallel like K/V
+        (_BLOCK + r"attn2\.add_[kv]_proj\.bias", ("tp",)),
+        (_BLOCK + r"attn2\.norm_added_k\.weight", ("tp",)),
+        (r"condition_embedder\.image_embedder\..*", REPLICATED),  # CLIP features -> model width (small)
         (_BLOCK + r"attn[12]\.to_out\.0\.weight", (None, "tp")),  # row-parallel
         (_BLOCK + r"ffn\.net\.0\.proj\.weight", ("tp", None)),
         (_BLOCK + r"ffn\.net\.0\.proj\.bias", ("tp",)),
@@ -44,6 +52,7 @@ RULES: dict[str, list[tuple[str, Any]]] = {
         (r".*", REPLICATED),  # embedders, norms, modulation tables, proj_out, RoPE tables, biases after a reduce
     ],
     "umt5": [(r".*", FSDP)],
+    "clip_vision": [(r".*", FSDP)],
     "wan_vae": [(r".*", REPLICATED)],
 }
 

@@ -1,5 +1,8 @@
-"""Loading a diffusers-format Wan 2.1 T2V checkpoint (directory, hub id, the embedded tiny model),
-or only its architecture (a named official one, or any checkpoint's configs) for a bundle without weights."""
+"""Loading a diffusers-format Wan checkpoint (directory, hub id, an embedded tiny model), or only its
+architecture (a named official one, or any checkpoint's configs) for a bundle without weights.
+
+The model kind (runtime/kinds.py) is detected here, from model_index.json and the configs, and
+nowhere else."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime import kinds
 from runtime.errors import UserError
+from runtime.kinds import Kind
 from runtime.scheduler import unsupported_reason
 
 from . import architectures, tiny
@@ -28,40 +33,57 @@ class Source:
     id: str
     revision: str | None
     location: str | None
-    dtype: str  # "bf16" | "fp32": text encoder and DiT
-    transformer_config: dict[str, Any]
+    dtype: str  # "bf16" | "fp32": text encoder, image encoder and DiT
+    transformer_config: dict[str, Any]  # both experts' (they share one architecture)
     vae_config: dict[str, Any]
     text_encoder_config: dict[str, Any]
     scheduler_config: dict[str, Any]
     tokenizer_json: str | None
     keepalive: Any = None  # a TemporaryDirectory for the embedded model
     weights: bool = True  # False: components are built on `meta` from their configs (shapes only)
+    model_kind: str = "t2v"  # a row of runtime/kinds.py
+    boundary_ratio: float | None = None
+    image_encoder_config: dict[str, Any] | None = None  # CLIPVisionConfig
+    image_processor_config: dict[str, Any] | None = None  # the CLIP image processor's preprocessor_config
+
+    @property
+    def model(self) -> Kind:
+        return kinds.get(self.model_kind)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "id": self.id,
-            "revision": self.revision,
-            "config": {
-                "transformer": _plain(self.transformer_config),
-                "vae": _plain(self.vae_config),
-                "text_encoder": _plain(self.text_encoder_config),
-                "scheduler": _plain(self.scheduler_config),
-            },
+        config = {
+            "transformer": _plain(self.transformer_config),
+            "vae": _plain(self.vae_config),
+            "text_encoder": _plain(self.text_encoder_config),
+            "scheduler": _plain(self.scheduler_config),
         }
+        if self.image_encoder_config is not None:
+            config["image_encoder"] = _plain(self.image_encoder_config)
+            config["image_processor"] = _plain(self.image_processor_config or {})
+        return {"kind": self.kind, "id": self.id, "revision": self.revision, "config": config}
 
     def _torch_dtype(self) -> Any:
         import torch
 
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
-    def load_transformer(self) -> Any:
+    def load_transformer(self, subfolder: str = "transformer") -> Any:
+        """One expert: "transformer", or "transformer_2" (the low-noise expert of a two-expert model)."""
         from diffusers import WanTransformer3DModel
 
         if not self.weights:
             return _empty(lambda: WanTransformer3DModel(**_init_args(self.transformer_config)), self._torch_dtype())
-        return WanTransformer3DModel.from_pretrained(self.location, subfolder="transformer", revision=self.revision,
+        return WanTransformer3DModel.from_pretrained(self.location, subfolder=subfolder, revision=self.revision,
                                                      dtype=self._torch_dtype()).eval()
+
+    def load_image_encoder(self) -> Any:
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        if not self.weights:
+            config = CLIPVisionConfig(**_init_args(self.image_encoder_config or {}))
+            return _empty(lambda: CLIPVisionModel(config), self._torch_dtype())
+        return CLIPVisionModel.from_pretrained(self.location, subfolder="image_encoder", revision=self.revision,
+                                               dtype=self._torch_dtype()).eval()
 
     def load_text_encoder(self) -> Any:
         from transformers import UMT5Config, UMT5EncoderModel
@@ -165,10 +187,17 @@ def load(model: str, dtype: str, revision: str | None = None, weights: bool = Tr
 def _open(model: str, dtype: str, revision: str | None) -> Source:
     if model in architectures.ARCHITECTURES:
         arch = architectures.ARCHITECTURES[model]
-        return Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
-                      transformer_config=_full_config("transformer", arch["transformer"]),
-                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
-                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False)
+        src = Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
+                     transformer_config=_full_config("transformer", arch["transformer"]),
+                     vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
+                     scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False,
+                     boundary_ratio=arch.get("boundary_ratio"),
+                     image_encoder_config=arch.get("image_encoder"), image_processor_config=arch.get("image_processor"))
+        src.model_kind = detect_kind(arch["pipeline"], arch.get("boundary_ratio") is not None,
+                                     bool(arch.get("expand_timesteps")), src.transformer_config,
+                                     src.image_encoder_config is not None, model)
+        check_consistent(src)
+        return src
     if model in tiny.VARIANTS:
         tmp = tempfile.TemporaryDirectory(prefix="wan-aot-tiny-")
         src = _open_diffusers(str(tiny.save(model, Path(tmp.name))), dtype, None)
@@ -200,21 +229,82 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
     from transformers import AutoTokenizer, UMT5Config
 
     index = DiffusionPipeline.load_config(where, revision=revision)
-    if index.get("_class_name") != "WanPipeline":
-        raise UserError(f"{where} is a {index.get('_class_name')}, not a Wan text-to-video WanPipeline")
-    if index.get("transformer_2", [None])[0] is not None or index.get("expand_timesteps"):
-        raise UserError(f"{where} is a Wan 2.2 two-expert or TI2V pipeline: only Wan 2.1 T2V is supported so far")
+    pipeline = index.get("_class_name")
+    if pipeline not in PIPELINES:
+        raise UserError(f"{where} is a {pipeline}, not one of the Wan pipelines wan-aot exports "
+                        f"({', '.join(PIPELINES)})")
     sched = dict(UniPCMultistepScheduler.load_config(where, subfolder="scheduler", revision=revision))
     reason = unsupported_reason(sched)
     if reason:
         raise UserError(f"{where}: {reason}")
+
+    def present(component: str) -> bool:
+        return (index.get(component) or [None])[0] is not None
+
+    transformer = dict(WanTransformer3DModel.load_config(where, subfolder="transformer", revision=revision))
+    two = present("transformer_2")
+    if two:
+        second = dict(WanTransformer3DModel.load_config(where, subfolder="transformer_2", revision=revision))
+        if _plain(second) != _plain(transformer):
+            raise UserError(f"{where}: transformer and transformer_2 have different configs; wan-aot runs both "
+                            "experts with one program, so they must share an architecture")
+        if index.get("boundary_ratio") is None:
+            raise UserError(f"{where} has a transformer_2 but no boundary_ratio in model_index.json: set it "
+                            "(Wan2.2 A14B: 0.875 for T2V, 0.9 for I2V)")
+    image_encoder = image_processor = None
+    if present("image_encoder"):
+        from transformers import AutoImageProcessor, CLIPVisionConfig
+
+        image_encoder = CLIPVisionConfig.from_pretrained(where, subfolder="image_encoder", revision=revision).to_dict()
+        image_processor = AutoImageProcessor.from_pretrained(where, subfolder="image_processor",
+                                                             revision=revision).to_dict()
     tokenizer = AutoTokenizer.from_pretrained(where, subfolder="tokenizer", revision=revision)
-    return Source(
-        kind="", id="", revision=revision, location=where, dtype=dtype,
-        transformer_config=dict(WanTransformer3DModel.load_config(where, subfolder="transformer", revision=revision)),
+    src = Source(
+        kind="", id=where, revision=revision, location=where, dtype=dtype, transformer_config=transformer,
         vae_config=dict(AutoencoderKLWan.load_config(where, subfolder="vae", revision=revision)),
         text_encoder_config=UMT5Config.from_pretrained(where, subfolder="text_encoder", revision=revision).to_dict(),
-        scheduler_config=sched, tokenizer_json=_tokenizer_json(tokenizer))
+        scheduler_config=sched, tokenizer_json=_tokenizer_json(tokenizer),
+        boundary_ratio=index.get("boundary_ratio") if two else None,
+        image_encoder_config=image_encoder, image_processor_config=image_processor)
+    src.model_kind = detect_kind(pipeline, two, bool(index.get("expand_timesteps")), transformer,
+                                 image_encoder is not None, where)
+    check_consistent(src)
+    return src
+
+
+PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
+
+
+def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
+                image_encoder: bool, where: str) -> str:
+    """The runtime/kinds.py row of a diffusers Wan pipeline, from its model_index.json and configs."""
+    if expand_timesteps:  # TI2V-5B, saved as either pipeline class: one bundle does text and image
+        if two_experts or image_encoder:
+            raise UserError(f"{where}: expand_timesteps with two experts or an image encoder is not a Wan "
+                            "configuration wan-aot knows")
+        return "ti2v"
+    if PIPELINES[pipeline] == "t2v":
+        return "t2v-moe" if two_experts else "t2v"
+    if two_experts:
+        return "i2v-moe"
+    if not image_encoder:
+        raise UserError(f"{where}: an image-to-video pipeline with one expert needs a CLIP image_encoder "
+                        "(Wan 2.1 I2V); wan-aot knows no other one-expert I2V configuration")
+    return "flf2v" if transformer.get("pos_embed_seq_len") else "i2v"
+
+
+def check_consistent(src: Source) -> None:
+    """The DiT's input channels must be what the kind feeds it (noise, or noise + mask + condition)."""
+    kind, t = src.model, src.transformer_config
+    z = int(src.vae_config.get("z_dim") or 16)
+    want = z + kinds.mask_channels(int(src.vae_config.get("scale_factor_temporal") or 4)) + z \
+        if kind.conditioning == "concat" else z
+    if int(t["in_channels"]) != want or int(t["out_channels"]) != z:
+        raise UserError(f"{src.id}: the transformer takes {t['in_channels']} channels and gives {t['out_channels']}, "
+                        f"but a {kind.title} model with a z_dim {z} VAE needs {want} in and {z} out")
+    if kind.image_encoder and int(t.get("image_dim") or 0) != int((src.image_encoder_config or {})["hidden_size"]):
+        raise UserError(f"{src.id}: the transformer's image_dim {t.get('image_dim')} is not the image encoder's "
+                        f"hidden_size {(src.image_encoder_config or {}).get('hidden_size')}")
 
 
 def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:

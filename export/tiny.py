@@ -1,10 +1,12 @@
-"""The embedded default model: a small random-weight Wan 2.1 T2V pipeline built in code.
+"""The embedded models: small random-weight Wan pipelines of every kind, built in code.
 
-It needs no network and is bit-for-bit reproducible (fixed torch seed, fixed
+They need no network and are bit-for-bit reproducible (fixed torch seeds, fixed
 vocabulary), so `python -m export --model tiny` gives the same bundle on every
 machine with the same tool versions. The shapes follow diffusers' own Wan tests;
-the text encoder is a small UMT5 and the tokenizer a SentencePiece-style Unigram
-model written with the `tokenizers` library.
+the text encoder is a small UMT5, the tokenizer a SentencePiece-style Unigram
+model written with the `tokenizers` library, and the image encoder a small CLIP
+vision model. "tiny" (Wan 2.1 T2V) is the default; one variant per model kind of
+runtime/kinds.py lets tests cover each diffusers configuration.
 """
 
 from __future__ import annotations
@@ -13,8 +15,24 @@ import string
 from pathlib import Path
 from typing import Any
 
+_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+_UMT5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+# CLIP ViT in miniature: 32x32 pixels in 8x8 patches -> 16 + 1 tokens of width 8.
+_CLIP = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+             patch_size=8, projection_dim=8, hidden_act="gelu")
+_CLIP_TOKENS = (32 // 8) ** 2 + 1
+_I2V_DIT = {**_DIT, "in_channels": 16 + 4 + 16, "image_dim": 8, "added_kv_proj_dim": 24}
+# The Wan 2.2 VAE: residual blocks, 2x2 patchify (12 channels), 16x spatial downscale.
+_VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+              is_residual=True, patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16)
+
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
+# Optional keys: pipeline ("t2v" | "i2v"), experts (2: transformer_2 with boundary_ratio),
+# expand_timesteps, image_encoder (a CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         transformer=dict(
@@ -38,6 +56,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
         text_encoder=dict(d_model=48, d_kv=12, d_ff=96, num_layers=3, num_heads=4),
         flow_shift=5.0,
     ),
+    # Wan2.2-T2V-A14B in miniature: two experts of one architecture.
+    "tiny-t2v-moe": dict(transformer=_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, experts=2,
+                         boundary_ratio=0.875),
+    # Wan2.2-TI2V-5B (a WanPipeline, as the official checkpoint): the Wan 2.2 VAE, per-token timesteps;
+    # text or text + image.
+    "tiny-ti2v": dict(transformer=_DIT, vae=_VAE22, text_encoder=_UMT5, flow_shift=5.0,
+                      expand_timesteps=True),
+    # Wan2.1-I2V-14B: CLIP image encoder, 36-channel DiT input, image cross-attention.
+    "tiny-i2v": dict(transformer=_I2V_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, pipeline="i2v",
+                     image_encoder=_CLIP),
+    # Wan2.1-FLF2V-14B: first and last frame, a learned position embedding over both images' tokens.
+    "tiny-flf2v": dict(transformer={**_I2V_DIT, "pos_embed_seq_len": 2 * _CLIP_TOKENS}, vae=_VAE,
+                       text_encoder=_UMT5, flow_shift=3.0, pipeline="i2v", image_encoder=_CLIP),
+    # Wan2.2-I2V-A14B: no CLIP, two experts.
+    "tiny-i2v-moe": dict(transformer={**_DIT, "in_channels": 36}, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0,
+                         pipeline="i2v", experts=2, boundary_ratio=0.9),
 }
 
 _WORDS = (
@@ -69,10 +103,16 @@ def tokenizer_json() -> str:
 
 
 def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
-    """A WanPipeline with seeded random weights: a named variant, or a spec shaped like VARIANTS' values."""
-    """Build the random-weight WanPipeline for `variant` (fp32, CPU)."""
+    """A Wan pipeline (fp32, CPU) with seeded random weights: a named variant, or a spec shaped like
+    VARIANTS' values."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
@@ -98,12 +138,31 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         flow_shift=spec["flow_shift"], solver_order=2, solver_type="bh2", lower_order_final=True,
         final_sigmas_type="zero",
     )
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
-                       scheduler=scheduler, transformer=transformer)
+    parts: dict[str, Any] = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                                 transformer=transformer)
+    if spec.get("experts", 1) == 2:
+        torch.manual_seed(3)
+        parts.update(transformer_2=WanTransformer3DModel(**spec["transformer"]).eval(),
+                     boundary_ratio=spec["boundary_ratio"])
+    if spec.get("expand_timesteps"):
+        parts["expand_timesteps"] = True
+    if spec.get("pipeline", "t2v") == "t2v":
+        return WanPipeline(**parts)
+    if "image_encoder" in spec:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        torch.manual_seed(4)
+        cfg = spec["image_encoder"]
+        parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(**cfg)).eval()
+        parts["image_processor"] = CLIPImageProcessor(
+            size={"shortest_edge": cfg["image_size"]}, crop_size={"height": cfg["image_size"], "width": cfg["image_size"]},
+            resample=3, do_center_crop=True, do_normalize=True, do_rescale=True, do_resize=True, do_convert_rgb=True,
+            image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+    return WanImageToVideoPipeline(**parts)
 
 
 def save(variant: str, directory: Path) -> Path:
-    """Write the tiny pipeline to `directory` in diffusers format (safetensors)."""
+    """Write the tiny pipeline to `directory` in diffusers format (safetensors), as `save_pretrained` does."""
     pipe = build_pipeline(variant)
     directory.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(str(directory), safe_serialization=True)

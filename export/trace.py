@@ -54,15 +54,26 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
                     sub.register_forward_pre_hook(_constrain_first_input(env, NamedSharding(mesh, spec)))
     jm = tx.interop.JittableModule(module, dedup_parameters=True)
 
-    def fn(weights: dict[str, Any], args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
+    def fn(weights: dict[str, Any], args: tuple, kwargs: dict[str, Any] | None = None, method: str = "forward") -> Any:
         params = {k: weights[k] for k in jm.params}
         buffers = {k: weights[k] for k in jm.buffers}
         params, buffers, args, kwargs = env.j2t_iso((params, buffers, args, kwargs or {}))
         with env:
-            res = jm.functional_call("forward", params, buffers, *args, **kwargs)
+            res = jm.functional_call(method, params, buffers, *args, **kwargs)
         return env.t2j_iso(res)
 
-    return Extracted(weights={**jm.buffers, **jm.params}, fn=fn)
+    return Extracted(weights={k: _jax_int(k, v) for k, v in {**jm.buffers, **jm.params}.items()}, fn=fn)
+
+
+def _jax_int(name: str, t: Any) -> Any:
+    """int64 buffers (CLIP's position_ids) as int32: the programs run without jax_enable_x64, so they take int32."""
+    import torch
+
+    if t.dtype != torch.int64:
+        return t
+    if t.device.type != "meta" and t.numel() and (t.max() > 2**31 - 1 or t.min() < -(2**31)):
+        raise ValueError(f"int64 tensor {name} does not fit in int32")
+    return t.to(torch.int32)
 
 
 def _constrain_first_input(env: Any, sharding: NamedSharding) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
 """`python -m runtime`: generate videos from a bundle, all at once or stage by stage.
 
     python -m runtime generate BUNDLE --prompt "a cat playing piano" --out cat.mp4
-    python -m runtime encode  BUNDLE --prompt "..." --out embeds.safetensors
+    python -m runtime generate BUNDLE --prompt "..." --image first.png [--last-image last.png] --out clip.mp4
+    python -m runtime encode  BUNDLE --prompt "..." [--image first.png] --out embeds.safetensors
     python -m runtime denoise BUNDLE --embeds embeds.safetensors --out latents.safetensors
     python -m runtime decode  BUNDLE --latents latents.safetensors --out video.mp4
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
@@ -26,7 +27,14 @@ def _denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="noise seed (jax.random; does not reproduce torch's)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the bundle's)")
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    p.add_argument("--guidance-2", type=float, default=None,
+                   help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
     p.add_argument("--flow-shift", type=float, default=None, help="UniPC flow shift (default: the bundle's)")
+
+
+def _image_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image", type=Path, default=None, help="first frame (image-to-video and TI2V bundles)")
+    p.add_argument("--last-image", type=Path, default=None, help="last frame (first-last-frame bundles)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,20 +58,23 @@ def parser() -> argparse.ArgumentParser:
     _bundle_arg(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative-prompt", default="")
+    _image_args(g)
     _denoise_args(g)
-    g.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the bundle's)")
-    g.add_argument("--out", type=Path, required=True, help="mp4 path (batch > 1 writes NAME-<i>.mp4)")
+    g.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
+    g.add_argument("--out", type=Path, required=True,
+                   help="video path: .mp4, .mkv, .mov or .gif (batch > 1 writes NAME-<i>.mp4)")
     g.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
 
     e = sub.add_parser("encode", parents=[common], help="prompt -> embeddings (safetensors)")
     _bundle_arg(e)
     e.add_argument("--prompt", required=True)
     e.add_argument("--negative-prompt", default="")
-    e.add_argument("--out", type=Path, required=True)
+    _image_args(e)
+    e.add_argument("--out", type=Path, required=True, help="embeddings (and image conditioning), safetensors")
 
     d = sub.add_parser("denoise", parents=[common], help="embeddings -> latents (safetensors)")
     _bundle_arg(d)
-    d.add_argument("--embeds", type=Path, required=True)
+    d.add_argument("--embeds", type=Path, required=True, help="what `encode` wrote (incl. the image conditioning)")
     d.add_argument("--latents", type=Path, default=None, help="initial latents (key `latents`) instead of noise")
     _denoise_args(d)
     d.add_argument("--out", type=Path, required=True)
@@ -71,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("decode", parents=[common], help="latents -> mp4")
     _bundle_arg(v)
     v.add_argument("--latents", type=Path, required=True)
-    v.add_argument("--fps", type=int, default=None)
+    v.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
 
@@ -110,18 +121,30 @@ def run(args: argparse.Namespace) -> int:
         return verify(args)
     if args.command == "warm":
         return warm(args)
+    from .video import check_fps, check_video_path
+
     primary = distributed.is_primary()
+    if args.command in ("generate", "decode"):
+        check_video_path(args.out)
+        if args.fps is not None:
+            check_fps(args.fps)
     for out in (args.out, getattr(args, "frames_out", None)):
         if out is not None and primary:
             check_writable(out)
+    for name in ("image", "last_image"):  # unreadable images fail before the bundle is loaded
+        if getattr(args, name, None) is not None:
+            from .images import load_image
+
+            setattr(args, name, load_image(getattr(args, name), "--" + name.replace("_", "-")))
     pipe = load(args.bundle)
     g = pipe.geometry
     log = logging.getLogger("runtime")
     progress = not args.quiet
     if args.command in ("generate", "decode"):
         if args.command == "generate":
-            frames = pipe.generate(args.prompt, args.negative_prompt, seed=args.seed, steps=args.steps,
-                                   guidance=args.guidance, flow_shift=args.flow_shift, progress=progress)
+            frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
+                                   seed=args.seed, steps=args.steps, guidance=args.guidance,
+                                   guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress)
         else:
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
             frames = pipe.decode(latents)
@@ -130,22 +153,26 @@ def run(args: argparse.Namespace) -> int:
         if args.frames_out is not None:
             im.save(args.frames_out, im.FRAMES, {"frames": frames}, pipe.bundle_id, {})
             log.info("wrote %s", args.frames_out)
-        for path in _write_videos(frames, args.out, args.fps or pipe.manifest.defaults.fps):
+        fps = pipe.manifest.defaults.fps if args.fps is None else args.fps
+        for path in _write_videos(frames, args.out, fps):
             log.info("wrote %s", path)
     elif args.command == "encode":
-        embeds = pipe.encode(args.prompt, args.negative_prompt)
+        embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image)
         if primary:
             im.save(args.out, im.EMBEDS, embeds, pipe.bundle_id, {"prompt": args.prompt,
-                                                                  "negative_prompt": args.negative_prompt})
+                                                                  "negative_prompt": args.negative_prompt,
+                                                                  "image": args.image is not None,
+                                                                  "last_image": args.last_image is not None})
             log.info("wrote %s", args.out)
     elif args.command == "denoise":
-        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift)
+        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2)
         embeds, _ = im.load(args.embeds, im.EMBEDS, pipe.bundle_id,
                             {"prompt_embeds": g.embeds_shape, "negative_prompt_embeds": g.embeds_shape})
         init = None
         if args.latents is not None:
             init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
-        latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress)
+        latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress,
+                               guidance_2=s.guidance_2)
         if primary:
             im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, s.to_json())
             log.info("wrote %s", args.out)

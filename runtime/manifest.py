@@ -29,7 +29,9 @@ from .errors import BundleError
 # message that says to re-export). Keep a golden bundle of every readable version in artifacts/golden/.
 #   1: first release.
 #   2: target.device_kind, per-tensor partition specs, weights attached later (file/sha256 may be null).
-SCHEMA_VERSION = 2
+#   3: model kinds (runtime/kinds.py): kind, boundary_ratio, image_processor; programs may share a file
+#      (the second expert's denoise_step_2); geometry.latent_channels is the VAE's z_dim.
+SCHEMA_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 
 
@@ -43,7 +45,14 @@ def _from_v1(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-MIGRATIONS = {1: _from_v1}  # version -> function taking that version's JSON to the next version's
+def _from_v2(d: dict[str, Any]) -> dict[str, Any]:
+    """v2 bundles are all Wan 2.1 text-to-video."""
+    d = copy.deepcopy(d)
+    d.update(kind="t2v", boundary_ratio=None, image_processor=None, schema_version=3)
+    return d
+
+
+MIGRATIONS = {1: _from_v1, 2: _from_v2}  # version -> function taking that version's JSON to the next version's
 
 
 @dataclass(frozen=True)
@@ -153,14 +162,18 @@ class Manifest:
     weights: dict[str, WeightFile]
     tokenizer: FileRef | None
     versions: dict[str, str]
+    kind: str = "t2v"  # a row of runtime/kinds.py
+    boundary_ratio: float | None = None  # two experts: expert 1 where t >= boundary_ratio x num_train_timesteps
+    image_processor: dict[str, Any] | None = None  # the CLIP stage's preprocessing (runtime/images.py)
     bundle_id: str = ""
 
     def files(self) -> list[FileRef]:
+        """Every file the manifest lists, once (the experts' denoise programs share one file)."""
         refs = [FileRef(p.file, p.sha256) for p in self.programs.values()]
         refs += [FileRef(w.file, w.sha256) for w in self.weights.values() if w.file is not None]
         if self.tokenizer is not None:
             refs.append(self.tokenizer)
-        return refs
+        return list(dict.fromkeys(refs))
 
     @property
     def has_weights(self) -> bool:

@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from . import images, kinds
 from . import manifest as mf
 from . import scheduler
 from .bundle import Bundle, open_bundle
 from .distributed import fetch, is_primary, put
 from .errors import UserError
+from .kinds import Kind
 from .text import PromptTokenizer
 
 log = logging.getLogger("runtime")
@@ -32,9 +34,14 @@ class DenoiseSettings:
     steps: int
     guidance: float
     flow_shift: float
+    guidance_2: float | None = None  # the second expert's; None: as `guidance` (diffusers' default)
 
     def to_json(self) -> dict[str, Any]:
-        return {"seed": self.seed, "steps": self.steps, "guidance": self.guidance, "flow_shift": self.flow_shift}
+        return {"seed": self.seed, "steps": self.steps, "guidance": self.guidance, "guidance_2": self.guidance_2,
+                "flow_shift": self.flow_shift}
+
+
+ImageInput = Any  # a PIL image, a path, or a uint8 (H, W, 3) array (runtime/images.py)
 
 
 class Pipeline:
@@ -44,6 +51,7 @@ class Pipeline:
         self.bundle = bundle
         self.manifest: mf.Manifest = bundle.manifest
         self.geometry = self.manifest.geometry
+        self.kind: Kind = kinds.get(self.manifest.kind)
         self._tokenizer: PromptTokenizer | None = None
         self.scheduler_config = scheduler.UniPCConfig.from_json(self.manifest.scheduler)
 
@@ -51,7 +59,7 @@ class Pipeline:
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
 
-    # -- text ---------------------------------------------------------------
+    # -- text and images ----------------------------------------------------
     def tokenizer(self) -> PromptTokenizer:
         if self._tokenizer is None:
             path = mf.resolve(self.bundle.path, self.manifest.tokenizer.file)
@@ -62,22 +70,93 @@ class Pipeline:
         b = self.geometry.batch
         if isinstance(prompt, str):
             return [prompt] * b
-        prompts = list(prompt)
+        prompts = list(prompt) if isinstance(prompt, (list, tuple)) else []
         if len(prompts) != b or not all(isinstance(p, str) for p in prompts):
             raise UserError(f"{what} must be a string or a list of {b} strings (the bundle's batch size)")
         return prompts
 
-    def encode(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "") -> dict[str, np.ndarray]:
-        """Prompt and negative prompt embeddings, float32 (B, L, D), padded positions zero."""
+    def encode(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
+               image: ImageInput | None = None, last_image: ImageInput | None = None) -> dict[str, np.ndarray]:
+        """Prompt and negative prompt embeddings, float32 (B, L, D), padded positions zero; with an image,
+        also its conditioning (`encode_images`)."""
+        kinds.check_images(self.kind, image, last_image)
+        pil = self._load_images(image, last_image)  # unreadable images fail before any program runs
         prompts = self._prompts(prompt, "prompt") + self._prompts(negative_prompt, "negative_prompt")
         ids, mask = self.tokenizer()(prompts)
         embeds = fetch(self.bundle.call("text_encoder")(ids, mask)).astype(np.float32)
         b = self.geometry.batch
-        return {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
+        out = {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
+        if pil:
+            out.update(self._encode_images(*pil))
+        return out
+
+    def encode_images(self, image: ImageInput, last_image: ImageInput | None = None) -> dict[str, np.ndarray]:
+        """The image conditioning the denoise programs take (the names of kind.denoise_extras), float32:
+        `image_embeds` (B x images, tokens, D) from CLIP's penultimate layer; `condition` (VAE latents of the image(s), with the frame mask
+        in front for "concat" kinds); `mask` (1, 1, T, h, w) for "first_frame" kinds."""
+        kinds.check_images(self.kind, image, last_image)
+        return self._encode_images(*self._load_images(image, last_image))
+
+    def _load_images(self, image: ImageInput | None, last_image: ImageInput | None) -> list[Any]:
+        if image is None:
+            return []
+        first = images.load_image(image, "image")
+        return [first, images.load_image(last_image, "last image") if last_image is not None else None]
+
+    def _encode_images(self, first: Any, last: Any | None) -> dict[str, np.ndarray]:
+        g, b = self.geometry, self.geometry.batch
+        out: dict[str, np.ndarray] = {}
+        if self.kind.image_encoder:  # CLIP on both images at once; FLF2V's DiT sees their tokens side by side
+            pixels = images.clip_pixels([first, *([last] if last is not None else [])], self.manifest.image_processor)
+            hidden = fetch(self.bundle.call("image_encoder")(pixels)).astype(np.float32)
+            out["image_embeds"] = np.tile(hidden, (b, 1, 1))  # diffusers: image_embeds.repeat(batch_size, 1, 1)
+        frames = [images.vae_pixels(first, g.width, g.height)]
+        if last is not None:
+            frames.append(images.vae_pixels(last, g.width, g.height))
+        latents = self._vae_encode(frames)  # (1, z, T or 1, h, w), normalised
+        if self.kind.conditioning == "first_frame":
+            mask = np.ones((1, 1, g.latent_frames, g.latent_height, g.latent_width), np.float32)
+            mask[:, :, 0] = 0.0
+            out["condition"], out["mask"] = np.repeat(latents, b, axis=0), mask
+        else:
+            out["condition"] = np.repeat(np.concatenate([self._frame_mask(last is not None), latents], axis=1), b,
+                                         axis=0)
+        return out
+
+    def _vae_encode(self, frames: list[np.ndarray]) -> np.ndarray:
+        """VAE latents of the conditioning: the image alone ("image"), or the video [image, zeros...,
+        last image or zero] chunk by chunk ("video"), as the I2V pipelines build it."""
+        g = self.geometry
+        first = self.bundle.call("vae_encode_first")
+        latents, caches = first(frames[0][None, :, None])
+        chunks = [latents]
+        if self.kind.vae_encode == "video" and g.latent_frames > 1:
+            nxt = self.bundle.call("vae_encode_next")
+            per_chunk = self.manifest.programs["vae_encode_next"].inputs["pixels"].shape[2]
+            for t in range(1, g.latent_frames):
+                chunk = np.zeros((1, 3, per_chunk, g.height, g.width), np.float32)
+                if t == g.latent_frames - 1 and len(frames) > 1:
+                    chunk[0, :, -1] = frames[1]  # the video's last frame
+                latents, caches = nxt(chunk, *caches)
+                chunks.append(latents)
+        return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=2)
+
+    def _frame_mask(self, has_last: bool) -> np.ndarray:
+        """diffusers' mask_lat_size: 1 on the given frames (first, and last for FLF2V), the first repeated
+        x temporal_scale, folded into (1, temporal_scale, T, h, w)."""
+        g = self.geometry
+        s = g.temporal_scale
+        m = np.zeros(g.frames, np.float32)
+        m[0] = 1.0
+        if has_last:
+            m[-1] = 1.0
+        m = np.concatenate([np.repeat(m[:1], s), m[1:]]).reshape(g.latent_frames, s).T  # (s, T)
+        return np.broadcast_to(m[None, :, :, None, None],
+                               (1, s, g.latent_frames, g.latent_height, g.latent_width)).astype(np.float32)
 
     # -- denoise ------------------------------------------------------------
     def settings(self, seed: int = 0, steps: int | None = None, guidance: float | None = None,
-                 flow_shift: float | None = None) -> DenoiseSettings:
+                 flow_shift: float | None = None, guidance_2: float | None = None) -> DenoiseSettings:
         d = self.manifest.defaults
         steps = d.steps if steps is None else steps
         guidance = d.guidance if guidance is None else guidance
@@ -86,26 +165,65 @@ class Pipeline:
             raise UserError(f"steps must be an integer >= 1, got {steps!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
             raise UserError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
-        if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 0:
-            raise UserError(f"guidance must be a finite number >= 0, got {guidance!r}")
-        if not isinstance(flow_shift, (int, float)) or not math.isfinite(flow_shift) or flow_shift <= 0:
+        for name, value in (("guidance", guidance), ("guidance_2", guidance_2)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
+        if guidance_2 is not None and self.kind.experts < 2:
+            raise UserError(f"guidance_2 (--guidance-2) is for two-expert models; this bundle is {self.kind.title} "
+                            "with one expert: use guidance (--guidance)")
+        if isinstance(flow_shift, bool) or not isinstance(flow_shift, (int, float)) or not math.isfinite(flow_shift) \
+                or flow_shift <= 0:
             raise UserError(f"flow shift must be a finite number > 0, got {flow_shift!r}")
-        return DenoiseSettings(int(seed), int(steps), float(guidance), float(flow_shift))
+        scheduler.check_plan(int(steps), float(flow_shift), self.scheduler_config)
+        return DenoiseSettings(int(seed), int(steps), float(guidance), float(flow_shift),
+                               None if guidance_2 is None else float(guidance_2))
 
     def initial_latents(self, seed: int) -> np.ndarray:
         """float32 N(0, 1) noise from jax.random (torch's generator is not reproduced)."""
         key = jax.random.key(seed)
         return np.asarray(jax.random.normal(key, self.geometry.latent_shape, jnp.float32))
 
+    def expert_of(self, timestep: int) -> int:
+        """0 (`transformer`, high noise) where t >= boundary_ratio x num_train_timesteps, else 1 (`transformer_2`)."""
+        ratio = self.manifest.boundary_ratio
+        if self.kind.experts == 1 or ratio is None:
+            return 0
+        return 0 if timestep >= ratio * self.scheduler_config.num_train_timesteps else 1
+
+    def _conditioning(self, embeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The denoise programs' extra inputs, from `embeds`; text mode of a "first_frame" kind without one."""
+        g, b = self.geometry, self.geometry.batch
+        specs = self.manifest.programs[kinds.denoise_program(0)].inputs
+        if self.kind.conditioning == "first_frame" and "condition" not in embeds:  # TI2V as text-to-video
+            embeds = {**embeds, "condition": np.zeros(specs["condition"].shape, np.float32),
+                      "mask": np.ones(specs["mask"].shape, np.float32)}
+        out = []
+        for name in self.kind.denoise_extras:
+            if name not in embeds:
+                raise UserError(f"this bundle is {self.kind.title}: the embeddings have no {name!r}; encode with "
+                                "the image (--image / image=...)")
+            value = np.asarray(embeds[name], np.float32)
+            if value.shape != specs[name].shape:
+                raise UserError(f"{name} has shape {list(value.shape)}, this bundle needs {list(specs[name].shape)}")
+            if not np.isfinite(value).all():
+                raise UserError(f"{name} contains NaN or inf")
+            out.append(value)
+        del g, b
+        return out
+
     def denoise(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                 guidance: float | None = None, flow_shift: float | None = None,
                 latents: np.ndarray | None = None, progress: bool = True,
-                on_step: Callable[[int], None] | None = None) -> np.ndarray:
-        """Run the denoising loop; returns float32 latents (B, C, T, H/8, W/8).
+                on_step: Callable[[int], None] | None = None, guidance_2: float | None = None) -> np.ndarray:
+        """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s).
 
+        `embeds` is what `encode` returns (prompt embeddings, and the image conditioning for image
+        models). Two-expert models switch from `transformer` (with `guidance`) to `transformer_2` (with
+        `guidance_2`, default `guidance`) below the boundary timestep, as diffusers does.
         `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
         """
-        s = self.settings(seed, steps, guidance, flow_shift)
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
         g = self.geometry
         for key in ("prompt_embeds", "negative_prompt_embeds"):
             if key not in embeds:
@@ -113,6 +231,7 @@ class Pipeline:
             if tuple(np.shape(embeds[key])) != g.embeds_shape:
                 raise UserError(f"{key} has shape {list(np.shape(embeds[key]))}, "
                                 f"this bundle needs {list(g.embeds_shape)}")
+        extras = self._conditioning(embeds)
         if latents is None:
             latents = self.initial_latents(s.seed)
         latents = np.asarray(latents, np.float32)
@@ -126,18 +245,27 @@ class Pipeline:
         state = np.zeros((scheduler.state_rows(order), *g.latent_shape), np.float32)
         state[0] = latents
         context = np.concatenate([embeds["prompt_embeds"], embeds["negative_prompt_embeds"]]).astype(np.float32)
-        step = self.bundle.call("denoise_step")
-        shardings = self.bundle.input_shardings("denoise_step")
-        state_dev, context_dev = put(state, shardings[0]), put(context, shardings[1])  # placed once
-        guidance = np.float32(s.guidance)
+        programs = [kinds.denoise_program(e) for e in range(self.kind.experts)]
+        shardings = self.bundle.input_shardings(programs[0])  # the experts' programs are one file
+        # Placed once, shared by the experts.
+        state_dev, context_dev = put(state, shardings[0]), put(context, shardings[1])
+        extras_dev = [put(x, sh) for x, sh in zip(extras, shardings[5:])]
+        guidances = [np.float32(s.guidance), np.float32(s.guidance if s.guidance_2 is None else s.guidance_2)]
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress or not is_primary()):
-            state_dev, finite = step(state_dev, context_dev, plan.timesteps[i], guidance, plan.coeffs[i])
+            e = self.expert_of(int(plan.timesteps[i]))
+            step = self.bundle.call(programs[e])
+            state_dev, finite = step(state_dev, context_dev, plan.timesteps[i], guidances[e], plan.coeffs[i],
+                                     *extras_dev)
             if not bool(fetch(finite)):
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
-                                f"{s.steps}: check the weights, guidance ({s.guidance}) and dtype")
+                                f"{s.steps}: check the weights, guidance ({guidances[e]}) and dtype")
             if on_step is not None:
                 on_step(i)
-        return fetch(state_dev)[0].astype(np.float32)
+        out = fetch(state_dev)[0].astype(np.float32)
+        if self.kind.conditioning == "first_frame":  # the image's frame is the image's latent again
+            cond, mask = extras[0], extras[1]
+            out = (1.0 - mask) * cond + mask * out
+        return out
 
     # -- decode -------------------------------------------------------------
     def decode(self, latents: np.ndarray) -> np.ndarray:
@@ -157,12 +285,16 @@ class Pipeline:
         return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
 
     # -- all ----------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "", seed: int = 0,
-                 steps: int | None = None, guidance: float | None = None, flow_shift: float | None = None,
-                 latents: np.ndarray | None = None, progress: bool = True) -> np.ndarray:
-        self.settings(seed, steps, guidance, flow_shift)  # fail before encoding
-        embeds = self.encode(prompt, negative_prompt)
-        out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress)
+    def generate(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
+                 image: ImageInput | None = None, last_image: ImageInput | None = None, seed: int = 0,
+                 steps: int | None = None, guidance: float | None = None, guidance_2: float | None = None,
+                 flow_shift: float | None = None, latents: np.ndarray | None = None,
+                 progress: bool = True) -> np.ndarray:
+        """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `latents` is the initial noise, as
+        diffusers' `latents` argument: (B, z, T, H/s, W/s)."""
+        self.settings(seed, steps, guidance, flow_shift, guidance_2)  # fail before encoding
+        embeds = self.encode(prompt, negative_prompt, image, last_image)
+        out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2)
         return self.decode(out)
 
 

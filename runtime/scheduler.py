@@ -206,3 +206,18 @@ def apply_row(state: np.ndarray, v: np.ndarray, row: np.ndarray, order: int) -> 
     xc = c[0] * x + c[1] * xprev + c[2] * m_i + sum(c[3 + j] * hist[j] for j in range(K))
     x_next = p[0] * xc + p[1] * m_i + sum(p[2 + j] * hist[j] for j in range(K - 1))
     return np.stack([x_next, xc, m_i, *hist[:K - 1]])
+
+
+def check_plan(steps: int, shift: float, cfg: UniPCConfig) -> None:
+    """Refuse a flow shift whose schedule is unusable (sigmas that round to 0 or 1, NaN coefficients)
+    before anything runs, naming the flow shift rather than failing later in the weights."""
+    from .errors import UserError
+
+    with np.errstate(all="ignore"):
+        timesteps, sigmas = sigmas_for(steps, shift, cfg)
+        ok = bool(np.all((sigmas[:-1] > 0) & (sigmas[:-1] < 1)) and np.all(np.diff(sigmas) <= 0))
+        coeffs = plan(steps, shift, cfg).coeffs if ok else None
+    if not ok or coeffs is None or not np.isfinite(coeffs).all():
+        raise UserError(f"flow shift {shift:g} gives an unusable {steps}-step schedule (noise levels "
+                        f"{sigmas[0]:.3g} .. {sigmas[-2]:.3g} must lie strictly between 0 and 1): use a flow shift "
+                        f"of about 1 to 20 (this bundle's default is {cfg.flow_shift:g})")

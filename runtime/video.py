@@ -1,4 +1,5 @@
-"""Writing frames to mp4 (H.264, yuv420p) through imageio-ffmpeg, atomically."""
+"""Writing frames to a video file, atomically: mp4/mkv/mov (H.264, yuv420p) through imageio-ffmpeg, GIF
+through Pillow. The format is checked from the file name before any work (`check_video_path`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,26 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return (np.clip(frames, 0.0, 1.0) * 255).astype(np.uint8)
 
 
+FORMATS = {".mp4": "ffmpeg", ".mkv": "ffmpeg", ".mov": "ffmpeg", ".gif": "pillow"}
+
+
+def check_video_path(path: str | os.PathLike) -> Path:
+    """Refuse a file name whose format we cannot write (before any work is done)."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise UserError(f"cannot write video format {path.suffix or '(no extension)'!r} ({path}): name the "
+                        f"output {' or '.join('NAME' + f for f in FORMATS)}")
+    return path
+
+
+def check_fps(fps: int) -> int:
+    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer)) or fps < 1:
+        raise UserError(f"fps must be an integer >= 1, got {fps!r}")
+    return int(fps)
+
+
 def write_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
-    """Write (F, H, W, 3) or (1, F, H, W, 3) frames in [0, 1] to `path` as mp4."""
+    """Write (F, H, W, 3) or (1, F, H, W, 3) frames in [0, 1] to `path` (.mp4, .mkv, .mov or .gif)."""
     import imageio.v2 as imageio
 
     frames = np.asarray(frames)
@@ -28,9 +47,16 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> P
         frames = frames[0]
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise UserError(f"frames must be (F, H, W, 3), got shape {frames.shape}")
-    if fps < 1:
-        raise UserError(f"fps must be >= 1, got {fps}")
-    path = Path(path)
+    fps = check_fps(fps)
+    path = check_video_path(path)
+    if FORMATS[path.suffix.lower()] == "pillow":
+        from PIL import Image
+
+        pictures = [Image.fromarray(f) for f in to_uint8(frames)]
+        with atomic_path(path) as tmp:
+            pictures[0].save(tmp, format="GIF", save_all=True, append_images=pictures[1:],
+                             duration=max(1, round(1000 / fps)), loop=0)
+        return path
     with atomic_path(path) as tmp, warnings.catch_warnings():
         # imageio-ffmpeg forks ffmpeg and execs at once; JAX's fork-with-threads warning doesn't apply.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)

@@ -1,0 +1,119 @@
+"""The Wan model kinds as data: which stages a kind has, what it takes, how its loop conditions.
+
+Every other module asks this table instead of testing model names, so adding a kind
+is a row here (plus its detection rule in export/source.py). The six diffusers
+configurations map onto these rows:
+
+    kind        diffusers pipeline                                  checkpoints
+    t2v         WanPipeline                                         Wan2.1-T2V-1.3B / -14B
+    t2v-moe     WanPipeline + transformer_2 + boundary_ratio        Wan2.2-T2V-A14B
+    ti2v        WanPipeline / WanImageToVideoPipeline,              Wan2.2-TI2V-5B (text, or text + image)
+                expand_timesteps
+    i2v         WanImageToVideoPipeline + CLIP image encoder        Wan2.1-I2V-14B-480P / -720P
+    flf2v       i2v with pos_embed_seq_len (first + last frame)     Wan2.1-FLF2V-14B-720P
+    i2v-moe     WanImageToVideoPipeline + transformer_2, no CLIP    Wan2.2-I2V-A14B
+
+Conditioning modes (how the image enters the denoising loop):
+
+- "none": the DiT sees the noisy latents only.
+- "concat": the DiT input is [latents (z), mask (4), VAE latents of the conditioning video (z)] on the
+  channel axis; the conditioning video is the image, zeros, and the last image (FLF2V) or zeros.
+- "first_frame": the image's VAE latent replaces latent frame 0 in the DiT input and after the
+  loop, and that frame's tokens get timestep 0 (per-token timesteps). Without an image, every token
+  gets the step's timestep and nothing is replaced: the same program does text-to-video.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    title: str
+    experts: int  # 1, or 2: "transformer" above the boundary timestep, "transformer_2" below
+    image: str  # "none" | "optional" | "required"
+    last_image: bool  # takes (and needs) a last frame too (FLF2V)
+    image_encoder: bool  # CLIP vision stage feeding the DiT's image cross-attention
+    conditioning: str  # "none" | "concat" | "first_frame" (see the module docstring)
+    fps: int = 16  # the family's native frame rate (the mp4 default)
+
+    @property
+    def vae_encode(self) -> str:
+        """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
+        return {"none": "", "first_frame": "image", "concat": "video"}[self.conditioning]
+
+    @property
+    def expert_groups(self) -> tuple[str, ...]:
+        return ("transformer", "transformer_2")[: self.experts]
+
+    @property
+    def denoise_extras(self) -> tuple[str, ...]:
+        """Inputs of the denoise programs after (state, context, timestep, guidance, row), in order."""
+        extra = {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask")}[self.conditioning]
+        return extra + (("image_embeds",) if self.image_encoder else ())
+
+    def stages(self, latent_frames: int) -> tuple[str, ...]:
+        """The programs a bundle of this kind holds, in the order they run."""
+        out = ["text_encoder"]
+        if self.image_encoder:
+            out.append("image_encoder")
+        if self.vae_encode:
+            out.append("vae_encode_first")
+            if self.vae_encode == "video" and latent_frames > 1:
+                out.append("vae_encode_next")
+        out += [denoise_program(e) for e in range(self.experts)]
+        out.append("vae_decode_first")
+        if latent_frames > 1:
+            out.append("vae_decode_next")
+        return tuple(out)
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("t2v", "Wan 2.1 text-to-video", experts=1, image="none", last_image=False, image_encoder=False,
+         conditioning="none"),
+    Kind("t2v-moe", "Wan 2.2 text-to-video, two experts", experts=2, image="none", last_image=False,
+         image_encoder=False, conditioning="none"),
+    Kind("ti2v", "Wan 2.2 text/image-to-video (TI2V)", experts=1, image="optional", last_image=False,
+         image_encoder=False, conditioning="first_frame", fps=24),
+    Kind("i2v", "Wan 2.1 image-to-video (CLIP)", experts=1, image="required", last_image=False,
+         image_encoder=True, conditioning="concat"),
+    Kind("flf2v", "Wan 2.1 first-last-frame-to-video", experts=1, image="required", last_image=True,
+         image_encoder=True, conditioning="concat"),
+    Kind("i2v-moe", "Wan 2.2 image-to-video, two experts", experts=2, image="required", last_image=False,
+         image_encoder=False, conditioning="concat"),
+)}
+
+
+def get(name: str) -> Kind:
+    if name not in KINDS:
+        raise UserError(f"unknown model kind {name!r} (this runtime knows {', '.join(KINDS)}): upgrade wan-aot")
+    return KINDS[name]
+
+
+def denoise_program(expert: int) -> str:
+    """Expert 0 runs `denoise_step`, expert 1 `denoise_step_2` (the same program file, other weights)."""
+    return "denoise_step" if expert == 0 else f"denoise_step_{expert + 1}"
+
+
+def mask_channels(temporal_scale: int) -> int:
+    """The "concat" mask has one channel per frame a latent frame stands for."""
+    return temporal_scale
+
+
+def check_images(kind: Kind, image: object, last_image: object) -> None:
+    """Refuse images a kind does not take, or a missing required one, in one line."""
+    if kind.image == "none" and image is not None:
+        raise UserError(f"this bundle is {kind.title}: it takes no image (export an image-to-video model for that)")
+    if kind.image == "required" and image is None:
+        raise UserError(f"this bundle is {kind.title}: it needs an image (--image FILE / image=...)")
+    if last_image is not None and not kind.last_image:
+        raise UserError(f"this bundle is {kind.title}: it takes no last image (that needs a first-last-frame "
+                        "model such as Wan2.1-FLF2V)")
+    if last_image is not None and image is None:
+        raise UserError("a last image needs a first image too (--image)")
+    if kind.last_image and image is not None and last_image is None:
+        raise UserError(f"this bundle is {kind.title}: it needs a last image too (--last-image FILE / last_image=...)")
