@@ -4,6 +4,9 @@
     python -m export --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --resolution 480p --out artifacts/wan-1.3b-480p
     python -m export --model wan2.1-t2v-14b --no-weights --resolution 720p --target tpu-v6e-8 --out artifacts/14b
     python -m export --attach-weights artifacts/14b --weights Wan-AI/Wan2.1-T2V-14B-Diffusers
+    python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
+
+The model kind (Wan 2.1/2.2, T2V, TI2V, I2V, FLF2V, one or two experts) is detected from the checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
                    help="instead of exporting: add the weights of --weights to this --no-weights bundle")
     p.add_argument("--weights", metavar="SOURCE", help="checkpoint (directory or hub id) for --attach-weights")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
-    p.add_argument("--resolution", help="480p, 720p or WIDTHxHEIGHT (multiples of 16)")
+    p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
+                                        "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32)")
     p.add_argument("--frames", type=int, default=81, help="video frames, 4k+1 (default 81)")
     p.add_argument("--batch", type=int, default=1, help="videos per call (default 1)")
     p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)})")
@@ -80,11 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.attach_weights is not None:
             return _attach(args)
-        from .build import Settings, build_bundle, check_frames, parse_resolution
+        from .build import Settings, build_bundle, check_frames, parse_resolution, size_multiple
 
         if args.resolution is None or args.out is None:
             raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
-        width, height = parse_resolution(args.resolution)
         frames = check_frames(args.frames)
         if args.batch < 1:
             raise UserError(f"--batch {args.batch} must be >= 1")
@@ -97,16 +100,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1")
         if args.out.exists() and not args.force:
             raise UserError(f"{args.out} already exists: choose another --out or pass --force to replace it")
+        from .source import load
+
+        t0 = time.perf_counter()
+        src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
+        width, height = parse_resolution(args.resolution, size_multiple(src))
         settings = Settings(width=width, height=height, frames=frames, batch=args.batch,
                             max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
                             attention=AttentionConfig(
                                 block_q=args.attention_block_q, block_kv=args.attention_block_kv,
                                 flash=_flash_blocks(args),
                                 k_smoothing=args.k_smoothing))
-        from .source import load
-
-        t0 = time.perf_counter()
-        src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)
         manifest = build_bundle(src, settings, args.out, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

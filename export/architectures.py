@@ -1,10 +1,14 @@
-"""The official Wan 2.1 T2V architectures, by name, so programs can be built from a config alone.
+"""The official Wan architectures, by name, so programs can be built from a config alone.
 
-`python -m export --model wan2.1-t2v-14b --no-weights ...` traces every stage on
+`python -m export --model wan2.2-t2v-a14b --no-weights ...` traces every stage on
 `meta` tensors (no weights, no download) and the weights are attached later from
 the real checkpoint (`--attach-weights`). The values are those of the
-Wan-AI/Wan2.1-T2V-*-Diffusers repositories; the VAE is diffusers' default
-AutoencoderKLWan (the Wan 2.1 VAE) and the text encoder is UMT5-XXL.
+Wan-AI/*-Diffusers repositories (model_index.json, transformer, vae, scheduler,
+image_encoder and image_processor configs): the Wan 2.1 VAE is diffusers' default
+AutoencoderKLWan, TI2V-5B has the Wan 2.2 VAE (z_dim 48, 16x spatial, 2x2 patches),
+the text encoder is UMT5-XXL and the image encoder (Wan 2.1 I2V, FLF2V) the CLIP
+ViT-H/14 vision tower. Values baked into programs (the VAE's latents_mean/std) are
+checked against the checkpoint when weights are attached.
 """
 
 from __future__ import annotations
@@ -27,16 +31,73 @@ _SCHEDULER: dict[str, Any] = dict(
 )
 
 
-def _transformer(heads: int, ffn: int, layers: int) -> dict[str, Any]:
-    return dict(patch_size=[1, 2, 2], num_attention_heads=heads, attention_head_dim=128, in_channels=16,
-                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
-                rope_max_seq_len=1024)
+def _transformer(heads: int, ffn: int, layers: int, **over: Any) -> dict[str, Any]:
+    return {**dict(patch_size=[1, 2, 2], num_attention_heads=heads, attention_head_dim=128, in_channels=16,
+                   out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                   rope_max_seq_len=1024), **over}
 
 
+# Wan 2.1 I2V / FLF2V: 36 input channels (noise 16 + mask 4 + image latents 16), CLIP image cross-attention.
+_I2V_14B = dict(in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+
+# CLIP ViT-H/14 (laion/CLIP-ViT-H-14-laion2B-s32B-b79K) vision tower and its processor.
+_CLIP_VIT_H: dict[str, Any] = dict(
+    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14,
+    image_size=224, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=1024, num_channels=3,
+    attention_dropout=0.0, dropout=0.0, initializer_factor=1.0, initializer_range=0.02,
+)
+_CLIP_PROCESSOR: dict[str, Any] = dict(
+    crop_size={"height": 224, "width": 224}, do_center_crop=True, do_convert_rgb=True, do_normalize=True,
+    do_rescale=True, do_resize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+    image_std=[0.26862954, 0.26130258, 0.27577711], resample=3, rescale_factor=0.00392156862745098,
+    size={"shortest_edge": 224},
+)
+
+# The Wan 2.2 VAE of TI2V-5B.
+_VAE22: dict[str, Any] = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
+    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+    latents_mean=[
+        -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.157,
+        -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055,
+        -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123, -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083,
+        -0.052, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+    ],
+    latents_std=[
+        0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165,
+        0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917,
+        0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.06,
+        0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+    ],
+)
+
+
+def _arch(pipeline: str, hub_id: str, transformer: dict[str, Any], flow_shift: float = 3.0,
+          **extra: Any) -> dict[str, Any]:
+    return dict(pipeline=pipeline, hub_id=hub_id, transformer=transformer, vae=extra.pop("vae", {}),
+                text_encoder=_UMT5_XXL, scheduler={**_SCHEDULER, "flow_shift": flow_shift}, **extra)
+
+
+# name -> model_index facts (pipeline class, boundary_ratio, expand_timesteps) and component configs.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "wan2.1-t2v-1.3b": dict(transformer=_transformer(12, 8960, 30), vae={}, text_encoder=_UMT5_XXL,
-                            scheduler=_SCHEDULER, hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
-    "wan2.1-t2v-14b": dict(transformer=_transformer(40, 13824, 40), vae={}, text_encoder=_UMT5_XXL,
-                           scheduler=_SCHEDULER, hub_id="Wan-AI/Wan2.1-T2V-14B-Diffusers"),
+    "wan2.1-t2v-1.3b": _arch("WanPipeline", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", _transformer(12, 8960, 30)),
+    "wan2.1-t2v-14b": _arch("WanPipeline", "Wan-AI/Wan2.1-T2V-14B-Diffusers", _transformer(40, 13824, 40)),
+    "wan2.2-t2v-a14b": _arch("WanPipeline", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", _transformer(40, 13824, 40),
+                             boundary_ratio=0.875),
+    "wan2.2-ti2v-5b": _arch("WanPipeline", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                            _transformer(24, 14336, 30, in_channels=48, out_channels=48), flow_shift=5.0,
+                            vae=_VAE22, expand_timesteps=True),
+    "wan2.2-i2v-a14b": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+                             _transformer(40, 13824, 40, in_channels=36), boundary_ratio=0.9),
+    "wan2.1-i2v-14b-480p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                                 _transformer(40, 13824, 40, **_I2V_14B), image_encoder=_CLIP_VIT_H,
+                                 image_processor=_CLIP_PROCESSOR),
+    "wan2.1-i2v-14b-720p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+                                 _transformer(40, 13824, 40, **_I2V_14B), image_encoder=_CLIP_VIT_H,
+                                 image_processor=_CLIP_PROCESSOR),
+    "wan2.1-flf2v-14b-720p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
+                                   _transformer(40, 13824, 40, **_I2V_14B, pos_embed_seq_len=2 * 257),
+                                   flow_shift=16.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
 }

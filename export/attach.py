@@ -35,6 +35,7 @@ def attach_weights(bundle: Path, src: Source, force: bool = False) -> mf.Manifes
         raise UserError(f"{bundle} already has weights: pass --force to replace them")
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
+    _check_baked(manifest, src)
     tmp = bundle.parent / f".{bundle.name}.attach-partial"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -65,6 +66,31 @@ def attach_weights(bundle: Path, src: Source, force: bool = False) -> mf.Manifes
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_baked(manifest: mf.Manifest, src: Source) -> None:
+    """What the programs have baked in besides shapes: the model kind, the expert boundary, the VAE's
+    latent statistics and the CLIP preprocessing must be the checkpoint's too."""
+    vae = manifest.source.get("config", {}).get("vae", {})
+    theirs = {"kind": src.model_kind, "boundary_ratio": src.boundary_ratio,
+              "latents_mean": list(src.vae_config.get("latents_mean") or []),
+              "latents_std": list(src.vae_config.get("latents_std") or [])}
+    ours = {"kind": manifest.kind, "boundary_ratio": manifest.boundary_ratio,
+            "latents_mean": list(vae.get("latents_mean") or []), "latents_std": list(vae.get("latents_std") or [])}
+    if manifest.image_processor is not None:
+        from runtime.images import clip_config
+
+        theirs["image_processor"] = clip_config(src.image_processor_config or {})
+        ours["image_processor"] = manifest.image_processor
+    for key in ours:
+        if ours[key] != theirs[key]:
+            raise UserError(f"{src.id} does not match the bundle's model: its {key} is {_short(theirs[key])}, the "
+                            f"bundle was built for {_short(ours[key])}: attach weights of the model it was built for")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_same(group: str, want: dict[str, mf.TensorSpec], got: dict[str, mf.TensorSpec], source: str) -> None:

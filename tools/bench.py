@@ -115,10 +115,10 @@ def child_jit(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     from export import build, source
     from export import denoise as denoise_stage
     from export import text_encoder as text_stage
-    from export import vae_decode as vae_stage
+    from export import vae as vae_stage
     from export.attention import AttentionConfig
+    from runtime import kinds, scheduler
     from runtime import manifest as mf
-    from runtime import scheduler
     from runtime.pipeline import Pipeline
 
     marks: dict[str, Any] = {"imported": time.time() - spawned}
@@ -148,13 +148,14 @@ def child_jit(a: dict[str, Any], spawned: float) -> dict[str, Any]:
         module, ex = build.load_component(src, "transformer", attention)
         model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[a["dtype"]])
         order = scheduler.UniPCConfig.from_json(m.scheduler).solver_order
-        stages["denoise_step"] = (denoise_stage.build(ex, order, model_dtype), to_jax(ex.weights))
+        kind = kinds.get(m.kind)
+        stages["denoise_step"] = (denoise_stage.build(ex, order, model_dtype, kind), to_jax(ex.weights))
         release(module)
         vae, ex = build.load_component(src, "vae", attention, platform=m.target.platform)
-        caches = vae_stage.cache_specs(vae, (g.latent_height, g.latent_width), g.batch)
+        caches = vae_stage.cache_specs(vae, "decode", g.batch, g.latent_height, g.latent_width)
         w = to_jax(ex.weights)
-        stages["vae_decode_first"] = (vae_stage.build(vae, ex.fn, caches, first=True), w)
-        stages["vae_decode_next"] = (vae_stage.build(vae, ex.fn, caches, first=False), w)
+        stages["vae_decode_first"] = (vae_stage.build_decode(vae, ex.fn, caches, first=True), w)
+        stages["vae_decode_next"] = (vae_stage.build_decode(vae, ex.fn, caches, first=False), w)
         release(vae)
 
     class JitBundle:  # what runtime.pipeline.Pipeline needs of a Bundle
