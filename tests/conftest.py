@@ -54,3 +54,48 @@ def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPath
         run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
                    "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[case]), "-q")
     return out
+
+
+# Wan 2.2 and image-to-video: one tiny checkpoint per model kind (export/tiny.py), exported fp32 with the CLI.
+# kind: (variant, resolution, frames, max sequence length); sizes are non-square in both orientations.
+KIND_CASES = {
+    "t2v-moe": ("tiny-t2v-moe", "64x32", 9, 16),
+    "ti2v": ("tiny-ti2v", "96x64", 9, 16),
+    "i2v": ("tiny-i2v", "48x32", 9, 16),
+    "flf2v": ("tiny-flf2v", "64x32", 9, 16),
+    "i2v-moe": ("tiny-i2v-moe", "32x48", 9, 16),
+}
+
+
+@pytest.fixture(scope="session")
+def kind_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from export import tiny
+
+    root = tmp_path_factory.mktemp("kind-checkpoints")
+    return {kind: tiny.save(variant, root / kind) for kind, (variant, *_) in KIND_CASES.items()}
+
+
+@pytest.fixture(scope="session")
+def kind_bundles(kind_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kind-bundles")
+    out = {}
+    for kind, (_, res, frames, max_len) in KIND_CASES.items():
+        out[kind] = root / kind
+        run_module("export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
+                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[kind]), "-q")
+    return out
+
+
+def test_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
+    """A deterministic, structured PIL image (gradients plus noise), so resizing has something to do."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(1, width - 1), y * 255 / max(1, height - 1), (x + y) % 64 * 4], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels).convert(mode)
+
+
+test_image.__test__ = False  # a helper, not a test
