@@ -8,12 +8,14 @@
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
+    python -m runtime serve   BUNDLE [--port 8000] [--api-key KEY]   # the OpenAI videos API
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,17 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warm", parents=[common], help="compile every program into the compilation cache "
                                                        "(no weights loaded, nothing run)")
     _bundle_arg(w)
+    s = sub.add_parser("serve", parents=[common], help="serve the OpenAI videos API (POST /v1/videos ...) "
+                                                       "with a durable job queue")
+    _bundle_arg(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("WAN_AOT_API_KEY"),
+                   help="clients must send Authorization: Bearer KEY (default: $WAN_AOT_API_KEY)")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    s.add_argument("--jobs-dir", type=Path, default=Path("jobs"),
+                   help="where jobs (SQLite) and videos live; survives restarts (default ./jobs)")
+    s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait; more get 429 (default 16)")
     return p
 
 
@@ -121,16 +134,18 @@ def run(args: argparse.Namespace) -> int:
         return verify(args)
     if args.command == "warm":
         return warm(args)
+    if args.command == "serve":
+        return serve(args)
     from .video import check_fps, check_video_path
 
     primary = distributed.is_primary()
+    for out in (args.out, getattr(args, "frames_out", None)):
+        if out is not None and primary:
+            check_writable(out)
     if args.command in ("generate", "decode"):
         check_video_path(args.out)
         if args.fps is not None:
             check_fps(args.fps)
-    for out in (args.out, getattr(args, "frames_out", None)):
-        if out is not None and primary:
-            check_writable(out)
     for name in ("image", "last_image"):  # unreadable images fail before the bundle is loaded
         if getattr(args, name, None) is not None:
             from .images import load_image
@@ -223,6 +238,45 @@ def warm(args: argparse.Namespace) -> int:
     where = jax.config.jax_compilation_cache_dir
     print(f"compiled {len(bundle.manifest.programs)} programs" + (f" into {where}" if where else " (no cache)"))
     return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from . import distributed
+    from . import multihost_jobs as mh
+    from .errors import UserError
+    from .pipeline import load
+    from .server import Settings
+    from .server import serve as run_server
+
+    if not 1 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} must be in 1..65535")
+    if args.queue_size < 1:
+        raise UserError(f"--queue-size {args.queue_size} must be >= 1")
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not args.api_key and not args.insecure:
+        raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY), "
+                        "or pass --insecure to serve without one")
+    if not distributed.is_primary():  # processes 1..N-1 run process 0's jobs
+        pipe = load(args.bundle)
+        for name in pipe.manifest.programs:
+            pipe.bundle.call(name)
+        return mh.follow(pipe)
+    multi = jax_process_count() > 1
+    settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size)
+    return run_server(settings, args.host, args.port, loader=lambda: load(args.bundle),
+                      broadcast=mh.send if multi else None,
+                      on_exit=(lambda: mh.send({"stop": True})) if multi else None)
+
+
+def jax_process_count() -> int:
+    import jax
+
+    return jax.process_count()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,10 +74,17 @@ class Bundle:
             exp = self.program(name)
             weights = self.weights(self.manifest.programs[name].weights, name)
             shardings = self.input_shardings(name)
-            jitted = jax.jit(exp.call)
+            # Compiled ahead of time, here: the first call runs at once (a server is ready only after this).
+            (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+            inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
+            compiled = jax.jit(exp.call).lower(weights, *inputs).compile()
+
+            def place(a: Any, s: Any) -> jax.Array:
+                a = put(a, s)
+                return a if a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s)
 
             def run(*args: Any) -> Any:
-                return jitted(weights, *[put(a, s) for a, s in zip(args, shardings)])
+                return compiled(weights, *[place(a, s) for a, s in zip(args, shardings)])
 
             self._calls[name] = run
         return self._calls[name]

@@ -9,6 +9,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers the "bfloat16" dtype name with numpy)
 import numpy as np
 
+from . import kinds
 from . import manifest as mf
 from .targets import format_mesh
 
@@ -38,6 +39,8 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
         stages[name] = stage
     return {
         "bundle": str(path), "bundle_id": m.bundle_id, "schema_version": m.schema_version,
+        "model": {"kind": m.kind, "title": kinds.get(m.kind).title, "boundary_ratio": m.boundary_ratio,
+                  "takes": _takes(kinds.get(m.kind))},
         "source": {k: v for k, v in m.source.items() if k != "config"},
         "target": {"name": m.target.name, "platform": m.target.platform, "mesh": format_mesh(mesh),
                    "devices": m.target.num_devices, "device_kind": m.target.device_kind},
@@ -52,6 +55,11 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
     }
 
 
+def _takes(kind: kinds.Kind) -> str:
+    image = {"none": "", "optional": " [+ image]", "required": " + image"}[kind.image]
+    return "prompt" + image + (" + last image" if kind.last_image else "")
+
+
 def format_text(s: dict[str, Any]) -> str:
     t, g, d = s["target"], s["geometry"], s["defaults"]
     src = s["source"]
@@ -59,6 +67,8 @@ def format_text(s: dict[str, Any]) -> str:
     lines = [
         f"bundle     {s['bundle']}  (id {s['bundle_id']}, schema {s['schema_version']})",
         f"source     {src.get('id')} ({src.get('kind')}{revision})",
+        f"model      {s['model']['title']} (kind {s['model']['kind']}): {s['model']['takes']}"
+        + (f"; expert 2 below t = {s['model']['boundary_ratio'] * 1000:g}" if s["model"]["boundary_ratio"] else ""),
         f"target     {t['name']}: {t['platform']} x {t['devices']}, mesh {t['mesh']}"
         + (f", {t['device_kind']}" if t["device_kind"] else ""),
         f"video      {g['width']}x{g['height']}, {g['frames']} frames, batch {g['batch']}; latents {g['latents']}, "

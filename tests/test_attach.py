@@ -62,3 +62,25 @@ def test_attaching_twice_needs_force(checkpoints, fp32_bundles, tmp_path: Path) 
     assert proc.returncode == 2 and "already has weights: pass --force" in proc.stderr
     proc = run_module("export", "--attach-weights", str(bundle), check=False)
     assert proc.returncode == 2 and "needs --weights" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["i2v", "i2v-moe"])
+def test_attach_for_image_and_two_expert_models(kind: str, kind_checkpoints, kind_bundles, tmp_path: Path) -> None:
+    """The CLIP image encoder, the second expert and the VAE encoder are attached like the rest."""
+    from .conftest import KIND_CASES
+
+    _, res, frames, max_len = KIND_CASES[kind]
+    bare = tmp_path / "bare"
+    run_module("export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--no-weights", "--out", str(bare), "-q")
+    before = {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()}
+    other = "t2v-moe" if kind == "i2v-moe" else "flf2v"  # the same family, another kind
+    proc = run_module("export", "--attach-weights", str(bare), "--weights", str(kind_checkpoints[other]), check=False)
+    assert proc.returncode == 2 and "does not match the bundle's model: its kind is" in proc.stderr.strip()
+    assert {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()} == before
+    run_module("export", "--attach-weights", str(bare), "--weights", str(kind_checkpoints[kind]), "-q")
+    assert _files(bare) == _files(kind_bundles[kind])
+    groups = set(mf.read(bare).weights)
+    assert groups == ({"text_encoder", "image_encoder", "transformer", "vae"} if kind == "i2v" else
+                      {"text_encoder", "transformer", "transformer_2", "vae"})
+    assert any(t.startswith("encoder.") for t in mf.read(bare).weights["vae"].tensors)  # the VAE encoder too
