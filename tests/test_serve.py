@@ -1,0 +1,308 @@
+"""`runtime serve` driven with the official openai SDK: the videos API, auth, bad input, a full queue, a
+SIGKILL and restart that loses nothing, a SIGTERM drain, an image-to-video job, and 2 processes x 4 devices.
+
+Servers listen on 127.0.0.1 only; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import ROOT, run_module, test_image
+from .test_torch_free import _has_pyav, _read_ffmpeg
+
+openai = pytest.importorskip("openai")
+KEY = "sk-test-key"
+# The SDK warns that OpenAI's own hosted video API closed; the API shape is what this server speaks.
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, bundle: Path, jobs: Path, *extra: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(jobs.parent / f"server-{self.port}-{time.time_ns()}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime", "serve", str(bundle), "--port", str(self.port), "--jobs-dir", str(jobs),
+             *extra], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})})
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.output()}")
+
+    def client(self, key: str = KEY, retries: int = 0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=retries, timeout=60)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-4000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
+@contextmanager
+def serving(bundle: Path, jobs: Path, *extra: str, **kw) -> Iterator[Server]:
+    server = Server(bundle, jobs, *extra, **kw)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(fp32_bundles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("serve")
+    with serving(fp32_bundles["tiny-64x32-f9"], root / "jobs", "--api-key", KEY) as server:
+        yield server
+
+
+def _mp4_frames(data: bytes, tmp: Path) -> np.ndarray:
+    import imageio.v3 as iio
+
+    path = tmp / "video.mp4"
+    path.write_bytes(data)
+    return iio.imread(path, plugin="pyav") if _has_pyav() else _read_ffmpeg(path)
+
+
+def _wait(client: openai.OpenAI, video_id: str, status: str | tuple[str, ...], timeout: float = 120):
+    statuses = (status,) if isinstance(status, str) else status
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        video = client.videos.retrieve(video_id)
+        if video.status in statuses:
+            return video
+        time.sleep(0.05)
+    raise AssertionError(f"{video_id} did not reach {statuses} in {timeout} s (last {video.status})")
+
+
+def test_create_poll_download_list_delete(tiny_server: Server, tmp_path: Path) -> None:
+    client = tiny_server.client()
+    video = client.videos.create_and_poll(prompt="a cat playing piano", size="64x32", seconds="0.5625",
+                                          extra_body={"num_inference_steps": 3, "seed": 4}, poll_interval_ms=50)
+    assert (video.status, video.progress, video.size, video.model) == ("completed", 100, "64x32", "tiny-64x32-f9")
+    assert video.object == "video" and video.error is None and video.completed_at >= video.created_at
+    frames = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path)
+    assert frames.shape == (9, 32, 64, 3) and frames.std() > 0
+    second = client.videos.create(prompt="a dog", extra_body={"num_inference_steps": 1})
+    assert second.status == "queued" and second.progress == 0
+    listed = [v.id for v in client.videos.list(limit=2).data]
+    assert listed == [second.id, video.id]  # newest first
+    page = client.videos.list(limit=1, after=second.id)
+    assert [v.id for v in page.data] == [video.id]
+    _wait(client, second.id, "completed")
+    assert client.videos.delete(video.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+    with pytest.raises(openai.NotFoundError):
+        client.videos.download_content(video.id)
+
+
+def test_api_key_is_required(tiny_server: Server) -> None:
+    import httpx
+
+    with pytest.raises(openai.AuthenticationError) as e:
+        tiny_server.client(key="wrong").videos.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    assert httpx.get(tiny_server.url + "/v1/videos").status_code == 401
+    assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"size": "128x128"}, "size", "is not this bundle's"),
+    ({"seconds": "8"}, "seconds", "does not match this bundle"),
+    ({"num_inference_steps": 0}, "num_inference_steps", "steps must be an integer >= 1"),
+    ({"num_inference_steps": "lots"}, "num_inference_steps", "must be an integer"),
+    ({"guidance_scale": -1}, "guidance_scale", "guidance must be a finite number >= 0"),
+    ({"guidance_scale_2": 3}, "guidance_scale_2", "is for two-expert models"),
+    ({"seed": -1}, "seed", "seed must be an integer in"),
+    ({"flow_shift": 1e-30}, "flow_shift", "gives an unusable"),
+    ({"fps": 0}, "fps", "fps must be an integer"),
+    ({"prompt": ""}, "prompt", "prompt is required"),
+    ({"model": "sora-2"}, "model", "is not served here"),
+    ({"colour": "red"}, "colour", "unknown field"),
+])
+def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, param: str, message: str) -> None:
+    import httpx
+
+    body = {"prompt": "a cat", **fields}
+    r = httpx.post(tiny_server.url + "/v1/videos", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:  # the same through the SDK's multipart form
+        tiny_server.client().videos.create(prompt=body.pop("prompt"), extra_body=body)
+    assert e.value.body["param"] == param
+
+
+def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: Path) -> None:
+    import httpx
+
+    png = tmp_path / "x.png"
+    test_image(40, 30).save(png)
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_server.client().videos.create(prompt="a cat", input_reference=png.open("rb"))
+    assert e.value.body["param"] == "input_reference" and "takes no image" in e.value.body["message"]
+    from runtime.server import MAX_BODY_BYTES
+
+    r = httpx.post(tiny_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
+                   content=b" " * (MAX_BODY_BYTES + 1))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_image_to_video_through_input_reference(kind_bundles, tmp_path: Path) -> None:
+    png, notes = tmp_path / "first.png", tmp_path / "notes.png"
+    test_image(70, 50).save(png)
+    notes.write_text("not an image")
+    with serving(kind_bundles["i2v"], tmp_path / "jobs") as server:
+        client = server.client(key="unused")
+        video = client.videos.create_and_poll(prompt="a robot", input_reference=png.open("rb"),
+                                              extra_body={"num_inference_steps": 2}, poll_interval_ms=50)
+        assert video.status == "completed", video.error
+        assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == (9, 32, 48, 3)
+        for kwargs, message in (({}, "needs an image"), ({"input_reference": notes.open("rb")}, "not an image")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.videos.create(prompt="a robot", **kwargs)
+            assert e.value.body["param"] == "input_reference" and message in e.value.body["message"]
+
+
+def test_a_full_queue_answers_429_with_retry_after(fp32_bundles, tmp_path: Path) -> None:
+    with serving(fp32_bundles["tiny-64x32-f9"], tmp_path / "jobs", "--queue-size", "1") as server:
+        client = server.client(key="unused")
+        slow = {"num_inference_steps": 200}
+        first = client.videos.create(prompt="a", extra_body=slow)
+        _wait(client, first.id, "in_progress")
+        client.videos.create(prompt="b", extra_body=slow)  # waits in the queue
+        with pytest.raises(openai.RateLimitError) as e:
+            client.videos.create(prompt="c", extra_body=slow)
+        assert e.value.status_code == 429 and int(e.value.response.headers["Retry-After"]) > 0
+        assert e.value.body["code"] == "queue_full"
+        import httpx
+
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "wan_aot_queue_depth 1.0" in metrics and 'wan_aot_jobs{status="in_progress"} 1.0' in metrics
+        assert "wan_aot_step_seconds_bucket" in metrics and "wan_aot_request_seconds_count" in metrics
+
+
+def test_sigkill_mid_job_then_restart_loses_nothing(fp32_bundles, tmp_path: Path) -> None:
+    bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "jobs"
+    server = Server(bundle, jobs)
+    try:
+        server.wait_ready()
+        client = server.client(key="unused")
+        done = client.videos.create_and_poll(prompt="done before", extra_body={"num_inference_steps": 1},
+                                             poll_interval_ms=50)
+        running = client.videos.create(prompt="killed while running", extra_body={"num_inference_steps": 150})
+        queued = [client.videos.create(prompt=f"queued {i}", extra_body={"num_inference_steps": 2}) for i in range(2)]
+        assert _wait(client, running.id, "in_progress").progress < 100
+    finally:
+        server.stop(signal.SIGKILL)
+    assert not list((jobs / "videos").glob(f"{running.id}*.mp4"))
+    with serving(bundle, jobs) as again:
+        client = again.client(key="unused")
+        assert client.videos.retrieve(done.id).status == "completed"
+        assert len(client.videos.download_content(done.id).read()) > 0
+        for video in (running, *queued):
+            assert _wait(client, video.id, ("completed", "failed"), timeout=180).status == "completed"
+        assert "was running when the server stopped: queued again" in again.output()
+
+
+def test_sigterm_drains_then_exits(fp32_bundles, tmp_path: Path) -> None:
+    import httpx
+
+    from runtime.jobs import JobStore
+
+    server = Server(fp32_bundles["tiny-64x32-f9"], tmp_path / "jobs")
+    try:
+        server.wait_ready()
+        client = server.client(key="unused")
+        running = client.videos.create(prompt="finish me", extra_body={"num_inference_steps": 120})
+        waiting = client.videos.create(prompt="stay queued", extra_body={"num_inference_steps": 2})
+        _wait(client, running.id, "in_progress")
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(server.url + "/v1/videos", json={"prompt": "too late"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert httpx.get(server.url + "/ready").status_code == 503
+        assert server.proc.wait(timeout=120) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+    store = JobStore(tmp_path / "jobs")
+    assert store.get(running.id).status == "completed" and store.video_path(running.id).is_file()
+    assert store.get(waiting.id).status == "queued"  # not lost: it runs at the next start
+    assert [j.prompt for j in store.list(10)[0]] == ["stay queued", "finish me"]
+
+
+def test_non_loopback_needs_a_key(fp32_bundles, tmp_path: Path) -> None:
+    proc = run_module("runtime", "serve", str(fp32_bundles["tiny-64x32-f9"]), "--host", "0.0.0.0",
+                      "--jobs-dir", str(tmp_path / "jobs"), check=False, env={"WAN_AOT_API_KEY": ""})
+    assert proc.returncode == 2 and "set --api-key (or WAN_AOT_API_KEY), or pass --insecure" in proc.stderr
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_two_processes_serve_one_mesh(checkpoints, tmp_path: Path) -> None:
+    """Process 0 serves and owns the queue; process 1 runs each broadcast job with it (2 x 4 CPU devices)."""
+    from .conftest import CASES
+
+    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
+    bundle = tmp_path / "cpu8"
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(bundle),
+               "-q")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    multi = ("--coordinator", coordinator, "--num-processes", "2")
+    follower = Server(bundle, tmp_path / "jobs-1", *multi, "--process-id", "1", env=env)
+    leader = Server(bundle, tmp_path / "jobs", *multi, "--process-id", "0", env=env)
+    try:
+        leader.wait_ready()
+        client = leader.client(key="unused")
+        for seed in (1, 2):
+            video = client.videos.create_and_poll(prompt="a robot dancing", poll_interval_ms=50,
+                                                  extra_body={"num_inference_steps": 2, "seed": seed})
+            assert video.status == "completed", (video.error, leader.output(), follower.output())
+            assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == (9, 32, 64, 3)
+        assert leader.stop(signal.SIGTERM) == 0
+        assert follower.proc.wait(timeout=60) == 0, follower.output()
+        assert not (tmp_path / "jobs-1").exists()  # only process 0 owns a job store
+    finally:
+        leader.stop(signal.SIGKILL)
+        follower.stop(signal.SIGKILL)
