@@ -155,7 +155,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         cfg = spec["image_encoder"]
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(**cfg)).eval()
         parts["image_processor"] = CLIPImageProcessor(
-            size={"shortest_edge": cfg["image_size"]}, crop_size={"height": cfg["image_size"], "width": cfg["image_size"]},
+            size={"shortest_edge": cfg["image_size"]},
+            crop_size={"height": cfg["image_size"], "width": cfg["image_size"]},
             resample=3, do_center_crop=True, do_normalize=True, do_rescale=True, do_resize=True, do_convert_rgb=True,
             image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
     return WanImageToVideoPipeline(**parts)

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import images, kinds
+from . import images, kinds, scheduler
 from . import manifest as mf
-from . import scheduler
 from .bundle import Bundle, open_bundle
 from .distributed import fetch, is_primary, put
 from .errors import UserError
@@ -92,8 +91,9 @@ class Pipeline:
 
     def encode_images(self, image: ImageInput, last_image: ImageInput | None = None) -> dict[str, np.ndarray]:
         """The image conditioning the denoise programs take (the names of kind.denoise_extras), float32:
-        `image_embeds` (B x images, tokens, D) from CLIP's penultimate layer; `condition` (VAE latents of the image(s), with the frame mask
-        in front for "concat" kinds); `mask` (1, 1, T, h, w) for "first_frame" kinds."""
+        `image_embeds` (B x images, tokens, D) from CLIP's penultimate layer; `condition` (VAE latents of
+        the image(s), with the frame mask in front for "concat" kinds); `mask` (1, 1, T, h, w) for
+        "first_frame" kinds."""
         kinds.check_images(self.kind, image, last_image)
         return self._encode_images(*self._load_images(image, last_image))
 
