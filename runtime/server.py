@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from . import kinds
 from .errors import UserError
@@ -45,6 +46,7 @@ MAX_BODY_BYTES = 32 << 20  # a request (form fields and images)
 MAX_IMAGE_BYTES = 20 << 20  # one image file
 MAX_IMAGE_PIXELS = 40_000_000  # one image, decoded
 MAX_PROMPT_CHARS = 20_000
+MAX_STEPS = 1000  # per job: more would hold the one worker for hours
 POLL_AFTER_MS = 250  # what the openai SDK's poll helpers wait between retrieves
 
 
@@ -85,6 +87,7 @@ class State:
     wake: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
     metrics: Any = None
+    job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
     broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others
 
     @property
@@ -156,6 +159,9 @@ def parse_request(fields: dict[str, Any], images: dict[str, bytes], state: State
               ("guidance_scale", dict(guidance=p["guidance_scale"])),
               ("guidance_scale_2", dict(guidance_2=p["guidance_scale_2"])),
               ("flow_shift", dict(flow_shift=p["flow_shift"], steps=p["num_inference_steps"]))]
+    if p["num_inference_steps"] is not None and p["num_inference_steps"] > MAX_STEPS:
+        raise ApiError(400, f"num_inference_steps {p['num_inference_steps']} is more than this server runs per job "
+                            f"({MAX_STEPS})", "num_inference_steps")
     for name, kwargs in checks:
         if all(v is None for v in kwargs.values()) or (name == "flow_shift" and p["flow_shift"] is None):
             continue
@@ -271,8 +277,10 @@ def _run(state: State, job: Job) -> None:
     except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
         log.exception("job %s: internal error", job.id)
         store.fail(job.id, "internal_error", f"{type(e).__name__}: {e}")
+    took = time.perf_counter() - t0
+    state.job_seconds[:] = [*state.job_seconds[-9:], took]
     if m:
-        m.job_seconds.observe(time.perf_counter() - t0)
+        m.job_seconds.observe(took)
 
 
 def load_and_compile(state: State, loader: Callable[[], Any]) -> None:
@@ -391,17 +399,8 @@ def create_app(state: State) -> FastAPI:
             raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
                            headers={"Retry-After": "5"})
         fields, images = await _read_body(request)
-        params = parse_request(fields, images, state)
-        try:
-            job = store.add(model=state.model, size=params["size"], seconds=params["seconds"],
-                            prompt=params["prompt"], params=params,
-                            images=[images[k] for k in _IMAGE_FIELDS if k in images],
-                            queue_size=state.settings.queue_size)
-        except QueueFull:
-            raise ApiError(429, f"the queue is full ({state.settings.queue_size} jobs waiting): retry later",
-                           headers={"Retry-After": "10"}) from None
-        state.wake.set()
-        return JSONResponse(job.to_api())
+        # Validation (image decoding, the schedule check) and the fsync'd insert run off the event loop.
+        return await run_in_threadpool(_create, state, fields, images)
 
     @app.get("/v1/videos")
     def list_videos(limit: int = 20, after: str | None = None, order: str = "desc") -> dict[str, Any]:
@@ -448,6 +447,33 @@ def create_app(state: State) -> FastAPI:
     return app
 
 
+def _create(state: State, fields: dict[str, Any], images: dict[str, bytes]) -> JSONResponse:
+    params = parse_request(fields, images, state)
+    try:
+        job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
+                              prompt=params["prompt"], params=params,
+                              images=[images[k] for k in _IMAGE_FIELDS if k in images],
+                              queue_size=state.settings.queue_size)
+    except QueueFull:
+        recent = state.job_seconds or [10.0]  # about one job's time frees a place in the queue
+        retry = max(1, math.ceil(sum(recent) / len(recent)))
+        raise ApiError(429, f"the queue is full ({state.settings.queue_size} jobs waiting): retry in about "
+                            f"{retry} s", headers={"Retry-After": str(retry)}) from None
+    state.wake.set()
+    return JSONResponse(job.to_api())
+
+
+async def _read_limited(request: Any) -> bytes:
+    """The body, refusing more than MAX_BODY_BYTES as it streams in (chunked bodies have no Content-Length)."""
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES >> 20} MB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _job(store: JobStore, video_id: str) -> Job:
     job = store.get(video_id)
     if job is None:
@@ -474,7 +500,7 @@ async def _read_body(request: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
     images: dict[str, bytes] = {}
     if ctype.startswith("application/json"):
         try:
-            fields = json.loads(await request.body())
+            fields = json.loads(await _read_limited(request))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON ({e})") from None
         if not isinstance(fields, dict):
@@ -487,6 +513,9 @@ async def _read_body(request: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
                 images[name] = decode_data_url(name, value)
         return fields, images
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
+            body = await _read_limited(request)
+            request._body = body  # Starlette parses the form from the cached body  # noqa: SLF001
         form = await request.form(max_files=len(_IMAGE_FIELDS), max_fields=64, max_part_size=MAX_IMAGE_BYTES)
         fields = {}
         for name, value in form.multi_items():

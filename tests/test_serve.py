@@ -181,6 +181,11 @@ def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: 
     with pytest.raises(openai.BadRequestError) as e:
         tiny_server.client().videos.create(prompt="a cat", input_reference=png.open("rb"))
     assert e.value.body["param"] == "input_reference" and "takes no image" in e.value.body["message"]
+    r = httpx.post(tiny_server.url + "/v1/videos", json={"prompt": 5}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # a prompt of the wrong type
+    r = httpx.post(tiny_server.url + "/v1/videos", content=b"{not json", headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     from runtime.server import MAX_BODY_BYTES
 
     r = httpx.post(tiny_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},

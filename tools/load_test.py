@@ -198,7 +198,7 @@ class Run:
 
     def take(self, client: int) -> JobRecord | None:
         with self.lock:
-            if self.next_index >= self.args.requests or self.stop.is_set():
+            if self.next_index >= self.args.requests or self.stop.is_set() or self.remaining() <= 0:
                 return None
             record = JobRecord(self.next_index, client)
             self.next_index += 1
@@ -411,7 +411,7 @@ def report(s: dict[str, Any]) -> str:
         f"submit->completed {lat('latency_submit_to_completed_s')}",
         f"accept->completed {lat('latency_accepted_to_completed_s')}  (to the first poll that saw it completed)",
         "first completed   " + ("-" if s["first_completed_s"] is None else
-                                f"{s['first_completed_s']:.2f} s after the start (first poll that saw a job completed)"),
+                                f"{s['first_completed_s']:.2f} s after the start (first poll that saw one completed)"),
     ]
     if s["interrupted"]:
         lines.append("interrupted       yes (Ctrl-C): unfinished accepted jobs counted as lost")
