@@ -212,7 +212,7 @@ def test_image_to_video_through_input_reference(kind_bundles, tmp_path: Path) ->
 def test_a_full_queue_answers_429_with_retry_after(fp32_bundles, tmp_path: Path) -> None:
     with serving(fp32_bundles["tiny-64x32-f9"], tmp_path / "jobs", "--queue-size", "1") as server:
         client = server.client(key="unused")
-        slow = {"num_inference_steps": 200}
+        slow = {"num_inference_steps": 600}  # the server is killed at the end: no one waits for these
         first = client.videos.create(prompt="a", extra_body=slow)
         _wait(client, first.id, "in_progress")
         client.videos.create(prompt="b", extra_body=slow)  # waits in the queue
@@ -259,7 +259,7 @@ def test_sigterm_drains_then_exits(fp32_bundles, tmp_path: Path) -> None:
     try:
         server.wait_ready()
         client = server.client(key="unused")
-        running = client.videos.create(prompt="finish me", extra_body={"num_inference_steps": 120})
+        running = client.videos.create(prompt="finish me", extra_body={"num_inference_steps": 600})  # ~10 s
         waiting = client.videos.create(prompt="stay queued", extra_body={"num_inference_steps": 2})
         _wait(client, running.id, "in_progress")
         server.proc.send_signal(signal.SIGTERM)
