@@ -193,7 +193,6 @@ class Pipeline:
 
     def _conditioning(self, embeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The denoise programs' extra inputs, from `embeds`; text mode of a "first_frame" kind without one."""
-        g, b = self.geometry, self.geometry.batch
         specs = self.manifest.programs[kinds.denoise_program(0)].inputs
         if self.kind.conditioning == "first_frame" and "condition" not in embeds:  # TI2V as text-to-video
             embeds = {**embeds, "condition": np.zeros(specs["condition"].shape, np.float32),
@@ -209,7 +208,6 @@ class Pipeline:
             if not np.isfinite(value).all():
                 raise UserError(f"{name} contains NaN or inf")
             out.append(value)
-        del g, b
         return out
 
     def denoise(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
