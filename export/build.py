@@ -127,12 +127,6 @@ FAMILIES = {"text_encoder": "umt5", "image_encoder": "clip_vision", "transformer
             "transformer_2": "wan_transformer", "vae": "wan_vae"}
 
 
-def weight_groups(src: Source) -> list[str]:
-    """The weight groups (one safetensors file each) a bundle of `src`'s kind holds, in load order."""
-    kind = src.model
-    return ["text_encoder", *(["image_encoder"] if kind.image_encoder else []), *kind.expert_groups, "vae"]
-
-
 def attention_for(target: Target, base: AttentionConfig) -> AttentionConfig:
     """TPU targets run the DiT's attention in the Pallas flash kernel; other platforms in plain JAX."""
     return dataclasses.replace(base, kernel="pallas" if target.platform == "tpu" else "xla")
@@ -214,10 +208,6 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             programs[name] = ProgramSpec(file=rel, sha256=sha256_file(tmp / rel), weights=group,
                                          inputs=inputs, outputs=outs)
 
-        def release(*objs: Any) -> None:
-            del objs
-            gc.collect()
-
         model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
@@ -227,7 +217,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             add_program("text_encoder", "text_encoder", text_encoder.build(ex),
                         {"ids": TensorSpec((n2, L), "int32"), "mask": TensorSpec((n2, L), "int32")},
                         ["embeds"])
-            release(module, ex)
+            del module, ex
+            gc.collect()
 
             image_tokens = None
             if kind.image_encoder:
@@ -238,7 +229,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                 add_program("image_encoder", "image_encoder", image_encoder.build(ex, model_dtype),
                             {"pixels": TensorSpec((n_images, 3, size, size), "float32")}, ["image_embeds"])
                 image_tokens = programs["image_encoder"].outputs["image_embeds"].shape  # (n_images, tokens, dim)
-                release(module, ex)
+                del module, ex
+            gc.collect()
 
             extras = denoise_inputs(kind, geo, image_tokens)
             for e, group in enumerate(kind.expert_groups):
@@ -260,12 +252,14 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
                         raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
                     programs[name] = dataclasses.replace(first, weights=group)
-                release(module, ex)
+                del module, ex
+            gc.collect()
 
             vae, ex = load_component(src, "vae", attention, platform=s.target.platform)
             add_weights("vae", ex.weights)
             export_vae(vae, ex, kind, geo, s.target, add_program)
-            release(vae, ex)
+            del vae, ex
+            gc.collect()
 
         tokenizer = None
         if src.tokenizer_json is not None and src.weights:
@@ -304,8 +298,8 @@ def denoise_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | No
     video in turn (B x n_images, tokens, dim), and FLF2V's embedder pairs them up itself."""
     b, z, t, h, w = geo.latent_shape
     shapes = {
-        "condition": (b, kinds.mask_channels(geo.temporal_scale) + z, t, h, w) if kind.conditioning == "concat"
-        else (b, z, 1, h, w),
+        # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents
+        "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning == "concat" else (b, z, 1, h, w),
         "mask": (1, 1, t, h, w),
         "image_embeds": (b * image_tokens[0], *image_tokens[1:]) if image_tokens else (),
     }

@@ -297,8 +297,8 @@ def check_consistent(src: Source) -> None:
     """The DiT's input channels must be what the kind feeds it (noise, or noise + mask + condition)."""
     kind, t = src.model, src.transformer_config
     z = int(src.vae_config.get("z_dim") or 16)
-    want = z + kinds.mask_channels(int(src.vae_config.get("scale_factor_temporal") or 4)) + z \
-        if kind.conditioning == "concat" else z
+    mask = int(src.vae_config.get("scale_factor_temporal") or 4)  # one mask channel per frame of a latent frame
+    want = z + mask + z if kind.conditioning == "concat" else z
     if int(t["in_channels"]) != want or int(t["out_channels"]) != z:
         raise UserError(f"{src.id}: the transformer takes {t['in_channels']} channels and gives {t['out_channels']}, "
                         f"but a {kind.title} model with a z_dim {z} VAE needs {want} in and {z} out")

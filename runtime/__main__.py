@@ -263,20 +263,15 @@ def serve(args: argparse.Namespace) -> int:
                         "or pass --insecure to serve without one")
     if not distributed.is_primary():  # processes 1..N-1 run process 0's jobs
         pipe = load(args.bundle)
-        for name in pipe.manifest.programs:
-            pipe.bundle.call(name)
+        pipe.prepare()
         return mh.follow(pipe)
-    multi = jax_process_count() > 1
+    import jax
+
+    multi = jax.process_count() > 1
     settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size)
     return run_server(settings, args.host, args.port, loader=lambda: load(args.bundle),
                       broadcast=mh.send if multi else None,
                       on_exit=(lambda: mh.send({"stop": True})) if multi else None)
-
-
-def jax_process_count() -> int:
-    import jax
-
-    return jax.process_count()
 
 
 def main(argv: list[str] | None = None) -> int:

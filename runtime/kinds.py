@@ -99,11 +99,6 @@ def denoise_program(expert: int) -> str:
     return "denoise_step" if expert == 0 else f"denoise_step_{expert + 1}"
 
 
-def mask_channels(temporal_scale: int) -> int:
-    """The "concat" mask has one channel per frame a latent frame stands for."""
-    return temporal_scale
-
-
 def check_images(kind: Kind, image: object, last_image: object) -> None:
     """Refuse images a kind does not take, or a missing required one, in one line."""
     if kind.image == "none" and image is not None:

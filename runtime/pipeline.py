@@ -58,6 +58,13 @@ class Pipeline:
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
 
+    def prepare(self) -> None:
+        """Place every weight and compile every program (and the noise sampler) now, so the first job
+        starts at once: what a server does before it reports ready."""
+        for name in self.manifest.programs:
+            self.bundle.call(name)
+        self.initial_latents(0)
+
     # -- text and images ----------------------------------------------------
     def tokenizer(self) -> PromptTokenizer:
         if self._tokenizer is None:

@@ -23,6 +23,7 @@ Row layout (``row_size(K)`` floats)::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -144,8 +145,10 @@ def _bh_terms(h: float, order: int, solver_type: str, rks: list[float]) -> tuple
     return float(h_phi_1), float(b_h), np.array(r_rows), np.array(b)
 
 
+@functools.lru_cache(maxsize=16)
 def plan(steps: int, shift: float, cfg: UniPCConfig) -> Plan:
-    """Coefficient rows for `steps` denoising steps at flow shift `shift`."""
+    """Coefficient rows for `steps` denoising steps at flow shift `shift` (memoized: settings checks and the
+    loop ask for the same plan; its arrays are read-only)."""
     if steps < 1:
         raise ValueError("steps must be >= 1")
     if not shift > 0:
@@ -193,7 +196,10 @@ def plan(steps: int, shift: float, cfg: UniPCConfig) -> Plan:
                 w = -alpha_t * b_h * rhos_p[k - 1] / rk
                 p[1 + k] += w
                 p[1] -= w
-    return Plan(timesteps=timesteps.astype(np.int32), sigmas=sigmas32, coeffs=rows.astype(np.float32))
+    out = Plan(timesteps=timesteps.astype(np.int32), sigmas=sigmas32, coeffs=rows.astype(np.float32))
+    for a in (out.timesteps, out.sigmas, out.coeffs):
+        a.setflags(write=False)
+    return out
 
 
 def apply_row(state: np.ndarray, v: np.ndarray, row: np.ndarray, order: int) -> np.ndarray:

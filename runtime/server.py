@@ -103,21 +103,20 @@ _IMAGE_FIELDS = ("input_reference", "last_image")
 
 
 def _number(name: str, value: Any, kind: type) -> Any:
+    """A JSON number or a form field's text as `kind` (int or float); None when absent."""
     if value is None or value == "":
         return None
-    if isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a number, got {value!r}", name)
+    what = "an integer" if kind is int else "a number"
     try:
-        number = float(value) if kind is float else int(str(value).strip()) if isinstance(value, str) else value
-    except ValueError:
-        raise ApiError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}",
-                       name) from None
-    if kind is int and (not isinstance(number, int) or isinstance(number, bool)):
-        if isinstance(number, float) and number.is_integer():
-            return int(number)
-        raise ApiError(400, f"{name} must be an integer, got {value!r}", name)
-    if kind is float and not isinstance(number, (int, float)):
-        raise ApiError(400, f"{name} must be a number, got {value!r}", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        number = int(value) if kind is int and isinstance(value, int) else float(value)
+    except (ValueError, OverflowError):
+        raise ApiError(400, f"{name} must be {what}, got {value!r}", name) from None
+    if kind is int and isinstance(number, float):
+        if not number.is_integer():
+            raise ApiError(400, f"{name} must be {what}, got {value!r}", name)
+        return int(number)
     return number
 
 
@@ -288,9 +287,7 @@ def load_and_compile(state: State, loader: Callable[[], Any]) -> None:
     try:
         t0 = time.perf_counter()
         pipe = loader()
-        for name in pipe.manifest.programs:
-            pipe.bundle.call(name)  # places the weights and compiles ahead of time
-        pipe.initial_latents(0)  # the noise sampler is a small program of its own
+        pipe.prepare()
         state.pipe = pipe
         state.ready.set()
         log.info("ready: %s loaded and compiled in %.1f s", state.settings.bundle, time.perf_counter() - t0)
