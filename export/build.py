@@ -144,23 +144,25 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
     """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
 
     Only the DiT runs the TPU kernel (sharded over `mesh`); the encoders and VAE use XLA attention.
-    On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py).
+    On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py) and bf16 matmuls accumulate in
+    fp32 (export/cpu_dots.py).
     """
+    cpu = platform == "cpu"
     if group not in ("transformer", "transformer_2"):
         attention = dataclasses.replace(attention, kernel="xla")
     if group == "text_encoder":
         module = src.load_text_encoder()
-        return module, extract(module, attention)
+        return module, extract(module, attention, cpu_dots=cpu)
     if group == "image_encoder":
         module = src.load_image_encoder()
-        return module, extract(module, attention)
+        return module, extract(module, attention, cpu_dots=cpu)
     if group in ("transformer", "transformer_2"):
         module = src.load_transformer(group)
-        return module, extract(module, attention, mesh, {r"blocks\.\d+": sharding.DIT_HIDDEN})
+        return module, extract(module, attention, mesh, {r"blocks\.\d+": sharding.DIT_HIDDEN}, cpu_dots=cpu)
     if group == "vae":
         module = src.load_vae()
         parts = vae_stage.module(module, encode=bool(src.model.vae_encode))
-        return module, extract(parts, attention, conv_as_2d=platform == "cpu")
+        return module, extract(parts, attention, conv_as_2d=cpu)
     raise KeyError(group)
 
 
@@ -212,7 +214,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
             n2, L, D = 2 * geo.batch, geo.max_sequence_length, geo.text_dim
-            module, ex = load_component(src, "text_encoder", attention)
+            module, ex = load_component(src, "text_encoder", attention, platform=s.target.platform)
             add_weights("text_encoder", ex.weights)
             add_program("text_encoder", "text_encoder", text_encoder.build(ex),
                         {"ids": TensorSpec((n2, L), "int32"), "mask": TensorSpec((n2, L), "int32")},
@@ -224,7 +226,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             if kind.image_encoder:
                 cfg = src.image_encoder_config or {}
                 size, n_images = int(cfg["image_size"]), 2 if kind.last_image else 1
-                module, ex = load_component(src, "image_encoder", attention)
+                module, ex = load_component(src, "image_encoder", attention, platform=s.target.platform)
                 add_weights("image_encoder", ex.weights)
                 add_program("image_encoder", "image_encoder", image_encoder.build(ex, model_dtype),
                             {"pixels": TensorSpec((n_images, 3, size, size), "float32")}, ["image_embeds"])
@@ -234,7 +236,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
             extras = denoise_inputs(kind, geo, image_tokens)
             for e, group in enumerate(kind.expert_groups):
-                module, ex = load_component(src, group, attention, mesh)
+                module, ex = load_component(src, group, attention, mesh, platform=s.target.platform)
                 add_weights(group, ex.weights)
                 name = kinds.denoise_program(e)
                 if e == 0:

@@ -32,13 +32,15 @@ class Extracted:
 
 
 def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None = None,
-            constraints: dict[str, PartitionSpec] | None = None, conv_as_2d: bool = False) -> Extracted:
+            constraints: dict[str, PartitionSpec] | None = None, conv_as_2d: bool = False,
+            cpu_dots: bool = False) -> Extracted:
     """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy).
 
     With `mesh`, attention is pinned to the DiT layout and `constraints` maps submodule-name
     patterns to the PartitionSpec of their first input (e.g. every transformer block's
     hidden states), so the sharding survives the trip through torch code. `conv_as_2d` runs 3D
-    convolutions as 2D ones (export/conv.py; for the VAE on CPU).
+    convolutions as 2D ones (export/conv.py; for the VAE on CPU). `cpu_dots` accumulates bf16
+    matmuls in fp32 (export/cpu_dots.py; for CPU targets).
     """
     tx = load_torchax()
     env = tx.default_env()
@@ -47,6 +49,10 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
         from . import conv
 
         conv.install(env)
+    if cpu_dots:
+        from . import cpu_dots as dots
+
+        dots.install(env)
     if mesh is not None:
         for pattern, spec in (constraints or {}).items():
             for name, sub in module.named_modules():

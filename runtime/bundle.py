@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import compat
 from . import manifest as mf
+from . import weights as wio
 from .distributed import put
 from .errors import BundleError
+from .integrity import Checker
+from .weights import safetensors_dtype
 
 log = logging.getLogger("runtime")
 
@@ -50,44 +55,86 @@ class Bundle:
     path: Path
     manifest: mf.Manifest
     mesh: Mesh
-    _programs: dict[str, Any] = field(default_factory=dict)
-    _calls: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    _weights: dict[str, dict[str, jax.Array]] = field(default_factory=dict)
-    _layouts: dict[str, dict[str, tuple[Any, tuple[int, ...], np.dtype]]] = field(default_factory=dict)
-    _lock: threading.RLock = field(default_factory=threading.RLock)
+    checker: Checker | None = None  # None: opened with verify=False
+    _calls: dict[str, Future] = field(default_factory=dict)
+    _programs: dict[str, Future] = field(default_factory=dict)
+    _weights: dict[str, Future] = field(default_factory=dict)
+    _layouts: dict[str, Future] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pool: ThreadPoolExecutor | None = None
+
+    def _once(self, table: dict[str, Future], key: str, make: Callable[[], Any]) -> Any:
+        """make() for `key`, computed once even when several threads ask at the same time (a failure is
+        remembered and raised to every caller)."""
+        with self._lock:
+            fut = table.get(key)
+            owner = fut is None
+            if owner:
+                fut = table[key] = Future()
+        if owner:
+            try:
+                fut.set_result(make())
+            except BaseException as e:  # noqa: BLE001  (handed to every waiter)
+                fut.set_exception(e)
+        return fut.result()
 
     def program(self, name: str) -> Any:
-        if name not in self._programs:
-            spec = self.manifest.programs.get(name)
-            if spec is None:
-                raise BundleError(f"bundle has no program {name!r}: re-export it")
-            self._programs[name] = load_program(self.path, self.manifest, name)
-        return self._programs[name]
+        if name not in self.manifest.programs:
+            raise BundleError(f"bundle has no program {name!r}: re-export it")
+        return self._once(self._programs, name, lambda: load_program(self.path, self.manifest, name))
 
     def call(self, name: str) -> Callable[..., Any]:
-        """The program as a jitted callable: fn(*inputs) with the program's weights bound.
+        """The program as a compiled callable: fn(*inputs) with the program's weights bound.
 
         Host (numpy) inputs are placed with the program's input shardings, each process
         placing its own shards, so the same call works on one host or many.
         """
-        if name not in self._calls:
-            exp = self.program(name)
-            weights = self.weights(self.manifest.programs[name].weights, name)
-            shardings = self.input_shardings(name)
-            # Compiled ahead of time, here: the first call runs at once (a server is ready only after this).
-            (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-            inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
-            compiled = jax.jit(exp.call).lower(weights, *inputs).compile()
+        return self._once(self._calls, name, lambda: self._make_call(name))
 
-            def place(a: Any, s: Any) -> jax.Array:
-                a = put(a, s)
-                return a if a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s)
+    def _make_call(self, name: str) -> Callable[..., Any]:
+        exp = self.program(name)
+        weights = self.weights(self.manifest.programs[name].weights, name)
+        shardings = self.input_shardings(name)
+        # Compiled ahead of time, here: the first call runs at once (a server is ready only after this).
+        (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
+        compiled = jax.jit(exp.call).lower(weights, *inputs).compile()
 
-            def run(*args: Any) -> Any:
-                return compiled(weights, *[place(a, s) for a, s in zip(args, shardings)])
+        def place(a: Any, s: Any) -> jax.Array:
+            a = put(a, s)
+            return a if a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s)
 
-            self._calls[name] = run
-        return self._calls[name]
+        def run(*args: Any) -> Any:
+            return compiled(weights, *[place(a, s) for a, s in zip(args, shardings)])
+
+        return run
+
+    def prefetch(self, names: list[str]) -> None:
+        """Start loading, placing and compiling these programs in the background, in order, so that reading
+        and hashing the next stage's weights overlaps this one's work; `call` waits for what it needs.
+        Single-process only (a multi-host job keeps every process's work in one order)."""
+        if jax.process_count() != 1:
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(min(2, os.cpu_count() or 1), thread_name_prefix="wan-aot-load")
+            pool = self._pool
+        for name in names:
+            if name in self.manifest.programs:
+                pool.submit(self._quiet_call, name)
+
+    def cancel_prefetch(self) -> None:
+        """Drop the background loads not started yet (after a failure, so the process can exit soon)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _quiet_call(self, name: str) -> None:
+        try:
+            self.call(name)
+        except BaseException:  # noqa: BLE001  (remembered; raised where the program is used)
+            pass
 
     def input_shardings(self, name: str) -> list[Any]:
         """Shardings of the program's non-weight inputs, in order."""
@@ -97,33 +144,44 @@ class Bundle:
 
     def weights(self, group: str, program: str) -> dict[str, jax.Array]:
         layout = self.weight_layout(group, program)
-        with self._lock:
-            if group not in self._weights:
-                wf = self.manifest.weights[group]
-                if wf.file is None:
-                    raise BundleError(no_weights_message(self.path))
-                shardings = {k: s for k, (s, _, _) in layout.items()}
-                expected = {k: (shape, dtype) for k, (_, shape, dtype) in layout.items()}
-                self._weights[group] = load_sharded(mf.resolve(self.path, wf.file), shardings, expected, wf.file)
-            return self._weights[group]
+        return self._once(self._weights, group, lambda: self._load_weights(group, layout))
+
+    def _load_weights(self, group: str, layout: dict[str, tuple[Any, tuple[int, ...], np.dtype]]
+                      ) -> dict[str, jax.Array]:
+        wf = self.manifest.weights[group]
+        if wf.file is None:
+            raise BundleError(no_weights_message(self.path))
+        ref = mf.FileRef(wf.file, wf.sha256)
+        path = mf.resolve(self.path, wf.file)
+        if not path.is_file():
+            raise BundleError(f"bundle file {wf.file} is missing: re-copy or re-export the bundle")
+        shardings = {k: s for k, (s, _, _) in layout.items()}
+        expected = {k: (shape, dtype) for k, (_, shape, dtype) in layout.items()}
+
+        def check(name: str, entry: wio.Entry | None) -> str | None:
+            return entry_mismatch(entry, name, *expected[name], wf.file, "the program expects")
+
+        t = time.perf_counter()
+        out = wio.load_file(path, ref, self.checker, shardings, expected, check)
+        log.debug("placed %s in %.2f s", wf.file, time.perf_counter() - t)
+        return out
 
     def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:
         """(sharding, shape, dtype) of each tensor of a weight group, as `program` (the first to use it) takes it."""
-        with self._lock:
-            if group not in self._layouts:
-                wf = self.manifest.weights.get(group)
-                if wf is None:
-                    raise BundleError(f"bundle lists no weights {group!r}: re-export it")
-                exp = self.program(program)
-                (w_shardings, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
-                (w_avals, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-                # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
-                # upsampler); place it as the manifest says, as the group's other programs expect it.
-                self._layouts[group] = {
-                    name: (w_shardings[name] or NamedSharding(self.mesh, partition_spec(wf.partition.get(name, []))),
-                           tuple(a.shape), np.dtype(a.dtype))
-                    for name, a in w_avals.items()}
-            return self._layouts[group]
+        return self._once(self._layouts, group, lambda: self._layout(group, program))
+
+    def _layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:
+        wf = self.manifest.weights.get(group)
+        if wf is None:
+            raise BundleError(f"bundle lists no weights {group!r}: re-export it")
+        exp = self.program(program)
+        (w_shardings, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
+        (w_avals, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        # None: the program does not use this tensor (e.g. the first VAE chunk skips the temporal
+        # upsampler); place it as the manifest says, as the group's other programs expect it.
+        return {name: (w_shardings[name] or NamedSharding(self.mesh, partition_spec(wf.partition.get(name, []))),
+                       tuple(a.shape), np.dtype(a.dtype))
+                for name, a in w_avals.items()}
 
     def compile(self, name: str) -> Any:
         """Compile a program for this mesh without weights or inputs (fills the persistent compilation cache);
@@ -136,65 +194,30 @@ class Bundle:
         return jax.jit(exp.call).lower(weights, *inputs).compile()
 
 
-def load_sharded(path: Path, shardings: dict[str, Any], expected: dict[str, tuple[tuple[int, ...], np.dtype]],
-                 label: str) -> dict[str, jax.Array]:
-    """Global arrays for the tensors of a safetensors file, each device's shard read straight from the file.
-
-    Only this process's addressable shards are read, one tensor at a time, so the host
-    memory a load needs beyond the placed arrays is about one shard.
-    """
-    from safetensors import safe_open
-
-    out: dict[str, jax.Array] = {}
-    with safe_open(str(path), framework="numpy") as f:
-        present = set(f.keys())
-        for name, (want_shape, want_dtype) in expected.items():
-            problem = tensor_mismatch(f, present, name, want_shape, want_dtype, label, "the program expects")
-            if problem:
-                raise BundleError(problem)
-            out[name] = _place(f.get_slice(name), want_shape, shardings[name])
-    return out
+def entry_mismatch(entry: wio.Entry | None, name: str, want_shape: tuple[int, ...], want_dtype: np.dtype,
+                   label: str, who: str) -> str | None:
+    """Why the header entry of tensor `name` is not what `who` wants, or None."""
+    if entry is None:
+        return f"weights file {label} has no tensor {name!r}: re-export the bundle"
+    if entry.shape != tuple(want_shape) or entry.dtype != want_dtype:
+        return (f"tensor {name!r} in {label} is {entry.dtype.name}{list(entry.shape)}, {who} "
+                f"{np.dtype(want_dtype).name}{list(want_shape)}: re-export the bundle")
+    return None
 
 
 def tensor_mismatch(f: Any, present: set[str], name: str, want_shape: tuple[int, ...], want_dtype: np.dtype,
                     label: str, who: str) -> str | None:
-    """Why tensor `name` of the open safetensors file `f` is not what `who` wants (headers only), or None."""
-    if name not in present:
-        return f"weights file {label} has no tensor {name!r}: re-export the bundle"
-    sl = f.get_slice(name)
-    shape, dtype = tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype())
-    if shape != tuple(want_shape) or dtype != want_dtype:
-        return (f"tensor {name!r} in {label} is {dtype.name}{list(shape)}, {who} {np.dtype(want_dtype).name}"
-                f"{list(want_shape)}: re-export the bundle")
-    return None
-
-
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
-              "I64": np.int64, "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F64": np.float64}
-
-
-def safetensors_dtype(st: str) -> np.dtype:
-    return np.dtype(_ST_DTYPES.get(st, np.void))
+    """`entry_mismatch` for tensor `name` of a file opened with safetensors' safe_open (headers only)."""
+    entry = None
+    if name in present:
+        sl = f.get_slice(name)
+        entry = wio.Entry(name, safetensors_dtype(sl.get_dtype()), tuple(sl.get_shape()), 0, 0)
+    return entry_mismatch(entry, name, want_shape, want_dtype, label, who)
 
 
 def partition_spec(data: list[Any]) -> PartitionSpec:
     """A manifest partition entry (None, an axis, or a list of axes per dimension) as a PartitionSpec."""
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in data])
-
-
-def _place(sl: Any, shape: tuple[int, ...], sharding: Any) -> jax.Array:
-    """Build a global array whose every addressable shard is read straight from the file slice."""
-    cache: dict[tuple, np.ndarray] = {}
-
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
-        key = tuple((s.start, s.stop, s.step) for s in index)
-        if key not in cache:
-            full = tuple(slice(0 if s.start is None else s.start, dim if s.stop is None else s.stop)
-                         for s, dim in zip(index, shape))
-            cache[key] = np.asarray(sl[full]).reshape(tuple(s.stop - s.start for s in full))
-        return cache[key]
-
-    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def load_program(path: Path, manifest: mf.Manifest, name: str) -> Any:
@@ -217,14 +240,22 @@ def no_weights_message(path: Path) -> str:
 
 
 def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
-    """Read and check `path`; programs and weights load lazily on first use."""
+    """Read and check `path`; programs and weights load lazily on first use.
+
+    The programs and tokenizer are checked against their sha256 now; each weight file is checked
+    as it is read, before its arrays are used (runtime/integrity.py: unchanged files that matched
+    before are not hashed again).
+    """
     path = Path(path)
     manifest = mf.read(path)
     for warning in compat.check_versions(manifest.versions):
         log.warning("%s", warning)
     if not manifest.has_weights:
         raise BundleError(no_weights_message(path))
+    checker = None
     if verify:
-        mf.verify_files(path, manifest)
+        checker = Checker(path, manifest)
+        weight_files = {w.file for w in manifest.weights.values()}
+        checker.check([ref for ref in manifest.files() if ref.file not in weight_files])
     mesh = make_mesh(manifest.target)
-    return Bundle(path=path, manifest=manifest, mesh=mesh)
+    return Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker)

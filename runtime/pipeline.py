@@ -61,6 +61,7 @@ class Pipeline:
     def prepare(self) -> None:
         """Place every weight and compile every program (and the noise sampler) now, so the first job
         starts at once: what a server does before it reports ready."""
+        self.bundle.prefetch(list(self.manifest.programs))
         for name in self.manifest.programs:
             self.bundle.call(name)
         self.initial_latents(0)
@@ -298,9 +299,15 @@ class Pipeline:
         """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `latents` is the initial noise, as
         diffusers' `latents` argument: (B, z, T, H/s, W/s)."""
         self.settings(seed, steps, guidance, flow_shift, guidance_2)  # fail before encoding
-        embeds = self.encode(prompt, negative_prompt, image, last_image)
-        out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2)
-        return self.decode(out)
+        # Every stage this call runs starts loading now, so the next stage's weights are read while this one works.
+        self.bundle.prefetch([n for n in self.manifest.programs if image is not None or not n.startswith("vae_encode")])
+        try:
+            embeds = self.encode(prompt, negative_prompt, image, last_image)
+            out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2)
+            return self.decode(out)
+        except BaseException:
+            self.bundle.cancel_prefetch()
+            raise
 
 
 def load(path: str | Path, verify: bool = True) -> Pipeline:

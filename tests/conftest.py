@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The CLI's persistent compilation cache: one per test session, never the user's.
 os.environ["WAN_AOT_CACHE_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-cache-")
 atexit.register(shutil.rmtree, os.environ["WAN_AOT_CACHE_DIR"], True)
+os.environ["WAN_AOT_STAMP_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-stamps-")
+atexit.register(shutil.rmtree, os.environ["WAN_AOT_STAMP_DIR"], True)
 
 
 def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True,

@@ -142,10 +142,10 @@ def child_jit(a: dict[str, Any], spawned: float) -> dict[str, Any]:
 
     stages: dict[str, tuple[Any, dict[str, jax.Array]]] = {}
     with torch.no_grad():
-        module, ex = build.load_component(src, "text_encoder", attention)
+        module, ex = build.load_component(src, "text_encoder", attention, platform=m.target.platform)
         stages["text_encoder"] = (text_stage.build(ex), to_jax(ex.weights))
         release(module)
-        module, ex = build.load_component(src, "transformer", attention)
+        module, ex = build.load_component(src, "transformer", attention, platform=m.target.platform)
         model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[a["dtype"]])
         order = scheduler.UniPCConfig.from_json(m.scheduler).solver_order
         kind = kinds.get(m.kind)

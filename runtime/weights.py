@@ -1,0 +1,181 @@
+"""Reading a bundle's weight files into device arrays: one pass, hashed on the way, no whole-file copy.
+
+A weight file is read front to back. Each wanted tensor's bytes go from the file straight into a
+fresh 64-byte-aligned host buffer (one `readinto`, no mmap: mapped pages would count against the
+process as a second copy of the weights), pass through sha256 when the file still has to be
+checked (runtime/integrity.py), and are placed on the devices: on CPU, jax adopts an aligned buffer
+as the device array without copying it, and a sharded tensor's per-device shards are cut from it.
+Host memory beyond the placed arrays is one tensor. A file whose hash does not match is refused
+after its last byte, before any program can use its arrays.
+
+The safetensors library has no call that reads into a caller's buffer, so the format's header
+(a little-endian u64 length, then JSON with dtype, shape and byte offsets per tensor) is parsed
+here, with the library's own rules: offsets contiguous from 0, inside the file, sized by the shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from . import manifest as mf
+from .errors import BundleError
+from .integrity import CHUNK, Checker, mismatch_message, sha256_stream
+
+HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
+ALIGN = 64  # what XLA's CPU client needs to adopt a host buffer without copying it
+
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
+              "I64": np.int64, "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F64": np.float64}
+
+
+def safetensors_dtype(st: str) -> np.dtype:
+    return np.dtype(_ST_DTYPES.get(st, np.void))
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offsets in the file
+    end: int
+
+
+def read_header(f: Any, size: int, label: str) -> tuple[list[Entry], bytes]:
+    """The tensors of an open safetensors file in file order, and the header's raw bytes (to hash)."""
+    def bad(why: str) -> BundleError:
+        return BundleError(f"weights file {label} is not a valid safetensors file ({why}): re-copy or re-export "
+                           "the bundle")
+
+    head = f.read(8)
+    if len(head) != 8:
+        raise bad("shorter than its header")
+    (n,) = struct.unpack("<Q", head)
+    if n > HEADER_LIMIT or 8 + n > size:
+        raise bad(f"header length {n}")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not an object")
+    entries = []
+    base = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = safetensors_dtype(info["dtype"]), tuple(int(s) for s in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {name!r}") from None
+        if dtype == np.void or end - start != math.prod(shape) * dtype.itemsize:
+            raise bad(f"entry {name!r} has dtype {info.get('dtype')} and {end - start} bytes for shape {list(shape)}")
+        entries.append(Entry(name, dtype, shape, base + start, base + end))
+    entries.sort(key=lambda e: (e.start, e.end))
+    pos = base
+    for e in entries:
+        if e.start != pos:
+            raise bad(f"tensor {e.name!r} does not start where the previous one ends")
+        pos = e.end
+    if pos != size:
+        raise bad(f"data ends at byte {pos} of {size}")
+    return entries, raw
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 buffer whose data starts on an ALIGN-byte boundary."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip: skip + nbytes]
+
+
+def _read_into(f: Any, view: memoryview, label: str) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise BundleError(f"weights file {label} ended early (truncated): re-copy or re-export the bundle")
+        got += n
+
+
+def place(host: np.ndarray, sharding: Any) -> jax.Array:
+    """A global array from a host tensor: each addressable shard cut from it (unsharded on one device: the
+    buffer itself, when it is aligned)."""
+    devices = sharding.addressable_devices
+    if len(devices) == 1 and sharding.is_fully_replicated and jax.process_count() == 1:
+        return jax.device_put(host, next(iter(devices)))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def load_file(path: Path, ref: mf.FileRef, checker: Checker | None, shardings: dict[str, Any],
+              expected: dict[str, tuple[tuple[int, ...], np.dtype]],
+              check: Callable[[str, Entry | None], str | None]) -> dict[str, jax.Array]:
+    """The tensors named in `expected` from the weight file `ref`, placed with `shardings`.
+
+    `check(name, entry)` says why a tensor is not what the programs expect (None: it is); it runs
+    on the header, before any data is read. With a `checker`, the file is hashed while it is read
+    unless its verified stamp still holds, and refused if the hash does not match.
+    """
+    label = ref.file
+    out: dict[str, jax.Array] = {}
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        started = checker.begin(ref, f) if checker is not None else None
+        h = started[0] if started is not None else None
+        try:
+            entries, raw = read_header(f, size, label)
+            by_name = {e.name: e for e in entries}
+            for name in expected:
+                problem = check(name, by_name.get(name))
+                if problem:
+                    raise BundleError(problem)
+        except BundleError:
+            # An unchecked file that is not what the programs expect: say it was tampered with if it was.
+            if started is not None:
+                f.seek(0)
+                if sha256_stream(f).hexdigest() != ref.sha256:
+                    raise BundleError(mismatch_message(ref)) from None
+            raise
+        if h is not None:
+            h.update(struct.pack("<Q", len(raw)))
+            h.update(raw)
+        skip = bytearray(CHUNK) if h is not None else None
+        for e in entries:
+            n = e.end - e.start
+            if e.name in expected:
+                f.seek(e.start)
+                buf = aligned_empty(n)
+                _read_into(f, memoryview(buf), label)
+                if h is not None:
+                    h.update(buf)
+                host = buf.view(e.dtype).reshape(e.shape)
+                out[e.name] = place(host, shardings[e.name])
+                del buf, host
+            elif h is not None:  # not used by the programs, but part of the file: hashed all the same
+                f.seek(e.start)
+                view = memoryview(skip)
+                left = n
+                while left:
+                    got = f.readinto(view[: min(left, CHUNK)])
+                    if not got:
+                        raise BundleError(f"weights file {label} ended early (truncated): re-copy or re-export "
+                                          "the bundle")
+                    h.update(view[:got])
+                    left -= got
+        if checker is not None:
+            checker.finish(ref, f, started)
+    return out
