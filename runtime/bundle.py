@@ -26,6 +26,13 @@ from .weights import safetensors_dtype
 
 log = logging.getLogger("runtime")
 
+# XLA options for programs compiled on CPU, by weight group. XLA's CPU backend hands dots,
+# convolutions and reductions to YNNPACK fusions by default. For the VAE's 3x3 convolutions those
+# ran 4-6x slower than XLA's own Eigen convolution (which is as fast as torch's oneDNN), and the
+# whole decode 2.9x slower; for the DiT's matmuls YNNPACK is the faster one (a 1.3B step 8.4 s
+# against 12.7 s without it). Measured on the real 1.3B DiT and VAE: `python tools/bench_startup.py`.
+CPU_COMPILER_OPTIONS = {"vae": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+
 
 def make_mesh(target: mf.Target, devices: list[Any] | None = None) -> Mesh:
     """The target's mesh over the available devices; refuses a device count or platform mismatch."""
@@ -62,6 +69,7 @@ class Bundle:
     _layouts: dict[str, Future] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per "weights <group>" / "compile <program>"
 
     def _once(self, table: dict[str, Future], key: str, make: Callable[[], Any]) -> Any:
         """make() for `key`, computed once even when several threads ask at the same time (a failure is
@@ -81,7 +89,15 @@ class Bundle:
     def program(self, name: str) -> Any:
         if name not in self.manifest.programs:
             raise BundleError(f"bundle has no program {name!r}: re-export it")
-        return self._once(self._programs, name, lambda: load_program(self.path, self.manifest, name))
+        return self._once(self._programs, name, lambda: self._timed(f"deserialize {name}", load_program, self.path,
+                                                                    self.manifest, name))
+
+    def _timed(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t = time.perf_counter()
+        out = fn(*args)
+        self.timings[what] = time.perf_counter() - t
+        log.debug("%s: %.2f s", what, self.timings[what])
+        return out
 
     def call(self, name: str) -> Callable[..., Any]:
         """The program as a compiled callable: fn(*inputs) with the program's weights bound.
@@ -98,7 +114,8 @@ class Bundle:
         # Compiled ahead of time, here: the first call runs at once (a server is ready only after this).
         (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
         inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
-        compiled = jax.jit(exp.call).lower(weights, *inputs).compile()
+        compiled = self._timed(f"compile {name}", lambda: jax.jit(exp.call).lower(weights, *inputs).compile(
+            self.compiler_options(name)))
 
         def place(a: Any, s: Any) -> jax.Array:
             a = put(a, s)
@@ -161,10 +178,7 @@ class Bundle:
         def check(name: str, entry: wio.Entry | None) -> str | None:
             return entry_mismatch(entry, name, *expected[name], wf.file, "the program expects")
 
-        t = time.perf_counter()
-        out = wio.load_file(path, ref, self.checker, shardings, expected, check)
-        log.debug("placed %s in %.2f s", wf.file, time.perf_counter() - t)
-        return out
+        return self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check)
 
     def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:
         """(sharding, shape, dtype) of each tensor of a weight group, as `program` (the first to use it) takes it."""
@@ -191,7 +205,13 @@ class Bundle:
         weights = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s) for k, (s, shape, dtype) in layout.items()}
         (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
         inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, self.input_shardings(name))]
-        return jax.jit(exp.call).lower(weights, *inputs).compile()
+        return jax.jit(exp.call).lower(weights, *inputs).compile(self.compiler_options(name))
+
+    def compiler_options(self, name: str) -> dict[str, Any] | None:
+        """XLA options for compiling program `name` on this bundle's platform (None: XLA's defaults)."""
+        if self.manifest.target.platform != "cpu":
+            return None
+        return CPU_COMPILER_OPTIONS.get(self.manifest.programs[name].weights)
 
 
 def entry_mismatch(entry: wio.Entry | None, name: str, want_shape: tuple[int, ...], want_dtype: np.dtype,
@@ -255,7 +275,12 @@ def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
     checker = None
     if verify:
         checker = Checker(path, manifest)
+        t = time.perf_counter()
         weight_files = {w.file for w in manifest.weights.values()}
         checker.check([ref for ref in manifest.files() if ref.file not in weight_files])
+        checked = time.perf_counter() - t
     mesh = make_mesh(manifest.target)
-    return Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker)
+    bundle = Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker)
+    if verify:
+        bundle.timings["check programs and tokenizer"] = checked
+    return bundle

@@ -301,7 +301,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def bench(work: Path, workload: str, dtype: str, repeats: int, steps: int, device: str,
-          paths: list[str]) -> dict[str, Any]:
+          paths: list[str], caches: tuple[str, ...] = ("empty", "warm")) -> dict[str, Any]:
     target = "cuda" if device == "cuda" else "cpu"
     ckpt, bundle = prepare(work, workload, dtype, target)
     _, w, h, frames, max_len = WORKLOADS[workload]
@@ -316,10 +316,12 @@ def bench(work: Path, workload: str, dtype: str, repeats: int, steps: int, devic
         for i in range(repeats):  # interleaved, so that drift on the machine affects every path alike
             for p in paths:
                 if p == "runtime":
-                    runs.setdefault("runtime (empty cache)", []).append(
-                        spawn("runtime", {**base, "cache_dir": str(Path(tmp) / f"empty-{i}"),
-                                          "frames_out": frames_out["runtime"]}))
-                    runs.setdefault("runtime (warm cache)", []).append(spawn("runtime", {**base, "cache_dir": warm}))
+                    if "empty" in caches:
+                        runs.setdefault("runtime (empty cache)", []).append(
+                            spawn("runtime", {**base, "cache_dir": str(Path(tmp) / f"empty-{i}")}))
+                    if "warm" in caches:
+                        runs.setdefault("runtime (warm cache)", []).append(
+                            spawn("runtime", {**base, "cache_dir": warm, "frames_out": frames_out["runtime"]}))
                 else:
                     runs.setdefault(p, []).append(spawn(p, {**base, "frames_out": frames_out[p]}))
                 print(f"[bench] {workload} {dtype} repeat {i + 1}/{repeats}: {p} done", flush=True)
@@ -372,6 +374,8 @@ def main() -> int:
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--paths", nargs="+", default=["runtime", "jit", "eager"], choices=list(CHILDREN))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--caches", nargs="+", default=["empty", "warm"], choices=["empty", "warm"],
+                   help="runtime starts with an empty and/or a warm compilation cache")
     p.add_argument("--steps", type=int, default=4, help="denoising steps per start (>= 2: step 1 is the cold one)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench")
@@ -381,7 +385,8 @@ def main() -> int:
     results = []
     for workload in args.workloads:
         for dtype in args.dtypes:
-            results.append(bench(args.work, workload, dtype, args.repeats, args.steps, args.device, args.paths))
+            results.append(bench(args.work, workload, dtype, args.repeats, args.steps, args.device, args.paths,
+                                 tuple(args.caches)))
             print("\n" + table(results[-1]) + "\n", flush=True)
     sizes = dependency_sizes()
     print(f"installed size: runtime dependencies {sizes['runtime']:.0f} MB, runtime + export dependencies "
