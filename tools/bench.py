@@ -213,11 +213,12 @@ def child_eager(a: dict[str, Any], spawned: float) -> dict[str, Any]:
 CHILDREN = {"runtime": child_runtime, "jit": child_jit, "eager": child_eager}
 
 
-def spawn(path: str, args: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def spawn(path: str, args: dict[str, Any], root: Path = ROOT) -> dict[str, Any]:
+    """One start of `path` in a fresh process, running the code of the checkout at `root`."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
     spawned = time.time()
     proc = subprocess.run([sys.executable, __file__, "--child", path, json.dumps(args), repr(spawned)], env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
         raise SystemExit(f"error: the {path} child failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -225,8 +226,8 @@ def spawn(path: str, args: dict[str, Any]) -> dict[str, Any]:
 
 # -- preparation ---------------------------------------------------------------------------------
 
-def prepare(work: Path, workload: str, dtype: str, target: str) -> tuple[Path, Path]:
-    """(checkpoint, bundle) for a workload, built once."""
+def prepare(work: Path, workload: str, dtype: str, target: str, root: Path = ROOT) -> tuple[Path, Path]:
+    """(checkpoint, bundle) for a workload, built once (the bundle by the exporter of the checkout at `root`)."""
     variant, w, h, frames, max_len = WORKLOADS[workload]
     ckpt = work / workload / "checkpoint"
     if not (ckpt / "model_index.json").is_file():
@@ -241,8 +242,8 @@ def prepare(work: Path, workload: str, dtype: str, target: str) -> tuple[Path, P
         print(f"[bench] exporting {bundle}", flush=True)
         subprocess.run([sys.executable, "-m", "export", "--model", str(ckpt), "--resolution", f"{w}x{h}",
                         "--frames", str(frames), "--max-sequence-length", str(max_len), "--dtype", dtype,
-                        "--target", target, "--out", str(bundle), "--force", "-q"], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+                        "--target", target, "--out", str(bundle), "--force", "-q"], cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)}, check=True)
     return ckpt, bundle
 
 
@@ -301,9 +302,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def bench(work: Path, workload: str, dtype: str, repeats: int, steps: int, device: str,
-          paths: list[str], caches: tuple[str, ...] = ("empty", "warm")) -> dict[str, Any]:
+          paths: list[str], caches: tuple[str, ...] = ("empty", "warm"), baseline: Path | None = None
+          ) -> dict[str, Any]:
     target = "cuda" if device == "cuda" else "cpu"
     ckpt, bundle = prepare(work, workload, dtype, target)
+    if baseline is not None:  # the same checkpoint, exported and run by another checkout (e.g. before a change)
+        link = work / "baseline" / workload / "checkpoint"
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(ckpt.resolve())
+        base_bundle = prepare(work / "baseline", workload, dtype, target, baseline)[1]
     _, w, h, frames, max_len = WORKLOADS[workload]
     base = {"bundle": str(bundle), "checkpoint": str(ckpt), "dtype": dtype, "steps": steps, "device": device,
             "width": w, "height": h, "frames": frames, "max_len": max_len}
@@ -313,6 +321,9 @@ def bench(work: Path, workload: str, dtype: str, repeats: int, steps: int, devic
         frames_out = {p: str(Path(tmp) / f"{p}.safetensors") for p in ("runtime", "jit", "eager")}
         if "runtime" in paths:
             spawn("runtime", {**base, "cache_dir": warm})  # fills the warm cache
+        if baseline is not None:
+            base_args = {**base, "bundle": str(base_bundle), "cache_dir": str(Path(tmp) / "baseline-cache")}
+            spawn("runtime", base_args, baseline)
         for i in range(repeats):  # interleaved, so that drift on the machine affects every path alike
             for p in paths:
                 if p == "runtime":
@@ -325,6 +336,9 @@ def bench(work: Path, workload: str, dtype: str, repeats: int, steps: int, devic
                 else:
                     runs.setdefault(p, []).append(spawn(p, {**base, "frames_out": frames_out[p]}))
                 print(f"[bench] {workload} {dtype} repeat {i + 1}/{repeats}: {p} done", flush=True)
+            if baseline is not None:
+                runs.setdefault("runtime before (warm cache)", []).append(spawn("runtime", base_args, baseline))
+                print(f"[bench] {workload} {dtype} repeat {i + 1}/{repeats}: baseline done", flush=True)
         diffs = _frame_diffs(frames_out)
     return {"workload": workload, "dtype": dtype, "device": device, "repeats": repeats, "steps": steps,
             "geometry": f"{w}x{h}, {frames} frames, {max_len} tokens",
@@ -379,6 +393,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4, help="denoising steps per start (>= 2: step 1 is the cold one)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="also run the runtime of this other checkout (e.g. `git worktree add /tmp/before HEAD~3`), "
+                        "interleaved, as 'runtime before'; its bundles are exported by its own exporter")
     p.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     args = p.parse_args()
 
@@ -386,7 +403,7 @@ def main() -> int:
     for workload in args.workloads:
         for dtype in args.dtypes:
             results.append(bench(args.work, workload, dtype, args.repeats, args.steps, args.device, args.paths,
-                                 tuple(args.caches)))
+                                 tuple(args.caches), args.baseline))
             print("\n" + table(results[-1]) + "\n", flush=True)
     sizes = dependency_sizes()
     print(f"installed size: runtime dependencies {sizes['runtime']:.0f} MB, runtime + export dependencies "

@@ -115,9 +115,9 @@ def main() -> int:
                 pair = {"runtime": timed(runtime_cmd, env), "eager": timed(eager_cmd, env)}
                 pairs.append(pair)
                 r, e = pair["runtime"], pair["eager"]
-                print(f"[e2e] {dtype} pair {i + 1}: runtime {r['wall']:.1f} s (sys {r['sys']:.1f}, {r['rss_gb']:.2f} GB)"
-                      f", eager {e['wall']:.1f} s (sys {e['sys']:.1f}, {e['rss_gb']:.2f} GB), ratio "
-                      f"{r['wall'] / e['wall']:.2f}", flush=True)
+                print(f"[e2e] {dtype} pair {i + 1}: runtime {r['wall']:.1f} s (sys {r['sys']:.1f}, "
+                      f"{r['rss_gb']:.2f} GB), eager {e['wall']:.1f} s (sys {e['sys']:.1f}, "
+                      f"{e['rss_gb']:.2f} GB), ratio {r['wall'] / e['wall']:.2f}", flush=True)
             results[dtype] = pairs
 
     print(f"\nprocess start to mp4 written, {WIDTH}x{HEIGHT}, {FRAMES} frames, {STEPS} steps, guidance {GUIDANCE}, "
@@ -126,7 +126,7 @@ def main() -> int:
           "| runtime peak RSS GB | eager peak RSS GB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for dtype, pairs in results.items():
-        def med(side: str, key: str) -> float:
+        def med(side: str, key: str, pairs: list[dict[str, Any]] = pairs) -> float:
             return statistics.median(p[side][key] for p in pairs)
 
         ratio = statistics.median(p["runtime"]["wall"] / p["eager"]["wall"] for p in pairs)
