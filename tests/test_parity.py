@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,11 @@ def test_bf16_bundle_tracks_diffusers_bf16(checkpoints, tmp_path) -> None:
     pipe = runtime.load(out)
     assert pipe.manifest.weights["transformer"].tensors["blocks.0.attn1.to_q.weight"].dtype == "bfloat16"
     assert pipe.manifest.weights["transformer"].tensors["scale_shift_table"].dtype == "float32"
+    # On CPU targets the DiT's bf16 matmuls accumulate in fp32 (export/cpu_dots.py): no bf16-result dot.
+    dots = re.findall(r"stablehlo\.dot_general .*?: \((tensor<[^)]*)\) -> tensor<[\dx]*(\w+)>",
+                      pipe.bundle.program("denoise_step").mlir_module())
+    assert any("bf16" in operands and result == "f32" for operands, result in dots), dots[:3]
+    assert not [d for d in dots if d[1] == "bf16"]
     vae = AutoencoderKLWan.from_pretrained(str(checkpoints["tiny"]), subfolder="vae", dtype=torch.float32)
     ref = WanPipeline.from_pretrained(str(checkpoints["tiny"]), vae=vae, dtype=torch.bfloat16)
     embeds = pipe.encode(PROMPT, NEGATIVE)
