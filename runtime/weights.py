@@ -115,9 +115,8 @@ def _read_into(f: Any, view: memoryview, label: str) -> None:
 def place(host: np.ndarray, sharding: Any) -> jax.Array:
     """A global array from a host tensor: each addressable shard cut from it (unsharded on one device: the
     buffer itself, when it is aligned)."""
-    devices = sharding.addressable_devices
-    if len(devices) == 1 and sharding.is_fully_replicated and jax.process_count() == 1:
-        return jax.device_put(host, next(iter(devices)))
+    if len(sharding.addressable_devices) == 1 and sharding.is_fully_replicated and jax.process_count() == 1:
+        return jax.device_put(host, sharding)  # keeps the sharding: the compiled programs' cache keys use it
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
