@@ -39,7 +39,10 @@ def matmul(x: Any, y: Any, bias: Any = None) -> Any:
 
 
 def install(env: Any) -> None:
-    """Route torch's linear, mm, addmm and bmm in torchax `env` through `matmul`."""
+    """Route torch's linear, matmul, mm, addmm and bmm in torchax `env` through `matmul`.
+
+    torchax lowers `F.linear` at the torch-function level (before aten), so both keys are replaced.
+    """
     import torch
     from torchax.ops import ops_registry
 
@@ -54,8 +57,11 @@ def install(env: Any) -> None:
             return beta * bias + alpha * matmul(x, y)
         return matmul(x, y, bias)
 
-    for op, fn in ((torch.ops.aten.linear, linear), (torch.ops.aten.mm, mm), (torch.ops.aten.bmm, mm),
-                   (torch.ops.aten.addmm, addmm)):
+    env._ops[torch.nn.functional.linear] = ops_registry.Operator(
+        torch.nn.functional.linear, linear, is_jax_function=True, is_user_defined=True, needs_env=False,
+        is_view_op=False)
+    for op, fn in ((torch.ops.aten.linear, linear), (torch.ops.aten.matmul, mm), (torch.ops.aten.mm, mm),
+                   (torch.ops.aten.bmm, mm), (torch.ops.aten.addmm, addmm)):
         for key in (op, op.default):
             env._ops[key] = ops_registry.Operator(key, fn, is_jax_function=True, is_user_defined=True,
                                                   needs_env=False, is_view_op=False)
