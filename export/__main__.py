@@ -5,6 +5,7 @@
     python -m export --model wan2.1-t2v-14b --no-weights --resolution 720p --target tpu-v6e-8 --out artifacts/14b
     python -m export --attach-weights artifacts/14b --weights Wan-AI/Wan2.1-T2V-14B-Diffusers
     python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
+    python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel    # TF Serving (extra: savedmodel)
 
 The model kind (Wan 2.1/2.2, T2V, TI2V, I2V, FLF2V, one or two experts) is detected from the checkpoint.
 """
@@ -38,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
                    help="instead of exporting: add the weights of --weights to this --no-weights bundle")
     p.add_argument("--weights", metavar="SOURCE", help="checkpoint (directory or hub id) for --attach-weights")
+    p.add_argument("--savedmodel", type=Path, metavar="BUNDLE",
+                   help="instead of exporting: write this finished cpu/cuda bundle as a TensorFlow SavedModel "
+                        "(TF Serving layout: OUT/1/saved_model.pb) to --out; needs the savedmodel extra, not torch")
+    p.add_argument("--validate", action="store_true",
+                   help="with --savedmodel: run every signature in TF and in JAX and compare (cpu bundles)")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
     p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
                                         "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32)")
@@ -84,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.attach_weights is not None:
             return _attach(args)
+        if args.savedmodel is not None:
+            return _savedmodel(args)
+        if args.validate:
+            raise UserError("--validate goes with --savedmodel BUNDLE")
         from .build import Settings, build_bundle, check_frames, parse_resolution, size_multiple
 
         if args.resolution is None or args.out is None:
@@ -128,6 +138,18 @@ def _flash_blocks(args: argparse.Namespace) -> FlashBlocks:
         return FlashBlocks(args.flash_block_q, args.flash_block_kv, args.flash_block_kv_compute)
     except ValueError as e:
         raise UserError(f"bad --flash-block-* sizes: {e}") from None
+
+
+def _savedmodel(args: argparse.Namespace) -> int:
+    from .savedmodel import convert
+
+    if args.out is None:
+        raise UserError("--savedmodel BUNDLE needs --out DIR (the SavedModel base directory TF Serving loads)")
+    t0 = time.perf_counter()
+    info = convert(args.savedmodel, args.out, force=args.force, validate=args.validate)
+    logging.getLogger("export").info("wrote %s (SavedModel of bundle %s, %d signatures) in %.1f s", args.out,
+                                     info["bundle_id"], len(info["signatures"]), time.perf_counter() - t0)
+    return 0
 
 
 def _attach(args: argparse.Namespace) -> int:

@@ -6,11 +6,29 @@
     runtime.write_video(frames[0], "cat.mp4", fps=16)
 
 `runtime.enable_compilation_cache()` (before the first call) makes the next process skip compiling.
+
+The jax-using names are imported on first use, so that the numpy-only modules (`runtime.scheduler`,
+`runtime.text`, `runtime.video`, `runtime.intermediates`) serve clients without jax, such as
+tools/tf_generate.py.
 """
 
-from .cache import enable as enable_compilation_cache
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import BundleError, UserError
-from .pipeline import Pipeline, load
 from .video import write_video
 
+_LAZY = {"Pipeline": ".pipeline", "load": ".pipeline", "enable_compilation_cache": ".cache"}
+_NAMES = {"enable_compilation_cache": "enable"}
+
 __all__ = ["BundleError", "Pipeline", "UserError", "enable_compilation_cache", "load", "write_video"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), _NAMES.get(name, name))
+    globals()[name] = value
+    return value

@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 
 def _bundle_arg(p: argparse.ArgumentParser) -> None:
@@ -111,14 +110,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _write_videos(frames: Any, out: Path, fps: int) -> list[Path]:
-    from .video import write_video
-
-    if frames.shape[0] == 1:
-        return [write_video(frames[0], out, fps=fps)]
-    return [write_video(f, out.with_name(f"{out.stem}-{i}{out.suffix}"), fps=fps) for i, f in enumerate(frames)]
-
-
 def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         return inspect(args)
@@ -136,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         return warm(args)
     if args.command == "serve":
         return serve(args)
-    from .video import check_fps, check_video_path
+    from .video import check_fps, check_video_path, write_videos
 
     primary = distributed.is_primary()
     for out in (args.out, getattr(args, "frames_out", None)):
@@ -169,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             im.save(args.frames_out, im.FRAMES, {"frames": frames}, pipe.bundle_id, {})
             log.info("wrote %s", args.frames_out)
         fps = pipe.manifest.defaults.fps if args.fps is None else args.fps
-        for path in _write_videos(frames, args.out, fps):
+        for path in write_videos(frames, args.out, fps):
             log.info("wrote %s", path)
     elif args.command == "encode":
         embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,29 +14,15 @@ from tqdm.auto import tqdm
 
 from . import images, kinds, scheduler
 from . import manifest as mf
+from . import settings as st
 from .bundle import Bundle, open_bundle
 from .distributed import fetch, is_primary, put
 from .errors import UserError
 from .kinds import Kind
+from .settings import MAX_SEED, DenoiseSettings  # noqa: F401  (public names of this module)
 from .text import PromptTokenizer
 
 log = logging.getLogger("runtime")
-
-MAX_SEED = 2**32 - 1
-
-
-@dataclass(frozen=True)
-class DenoiseSettings:
-    seed: int
-    steps: int
-    guidance: float
-    flow_shift: float
-    guidance_2: float | None = None  # the second expert's; None: as `guidance` (diffusers' default)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seed": self.seed, "steps": self.steps, "guidance": self.guidance, "guidance_2": self.guidance_2,
-                "flow_shift": self.flow_shift}
-
 
 ImageInput = Any  # a PIL image, a path, or a uint8 (H, W, 3) array (runtime/images.py)
 
@@ -165,27 +149,8 @@ class Pipeline:
     # -- denoise ------------------------------------------------------------
     def settings(self, seed: int = 0, steps: int | None = None, guidance: float | None = None,
                  flow_shift: float | None = None, guidance_2: float | None = None) -> DenoiseSettings:
-        d = self.manifest.defaults
-        steps = d.steps if steps is None else steps
-        guidance = d.guidance if guidance is None else guidance
-        flow_shift = d.flow_shift if flow_shift is None else flow_shift
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise UserError(f"steps must be an integer >= 1, got {steps!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
-            raise UserError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
-        for name, value in (("guidance", guidance), ("guidance_2", guidance_2)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0):
-                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
-        if guidance_2 is not None and self.kind.experts < 2:
-            raise UserError(f"guidance_2 (--guidance-2) is for two-expert models; this bundle is {self.kind.title} "
-                            "with one expert: use guidance (--guidance)")
-        if isinstance(flow_shift, bool) or not isinstance(flow_shift, (int, float)) or not math.isfinite(flow_shift) \
-                or flow_shift <= 0:
-            raise UserError(f"flow shift must be a finite number > 0, got {flow_shift!r}")
-        scheduler.check_plan(int(steps), float(flow_shift), self.scheduler_config)
-        return DenoiseSettings(int(seed), int(steps), float(guidance), float(flow_shift),
-                               None if guidance_2 is None else float(guidance_2))
+        return st.resolve(self.manifest.defaults, self.kind, self.scheduler_config, seed, steps, guidance,
+                          flow_shift, guidance_2)
 
     def initial_latents(self, seed: int) -> np.ndarray:
         """float32 N(0, 1) noise from jax.random (torch's generator is not reproduced)."""
@@ -194,10 +159,7 @@ class Pipeline:
 
     def expert_of(self, timestep: int) -> int:
         """0 (`transformer`, high noise) where t >= boundary_ratio x num_train_timesteps, else 1 (`transformer_2`)."""
-        ratio = self.manifest.boundary_ratio
-        if self.kind.experts == 1 or ratio is None:
-            return 0
-        return 0 if timestep >= ratio * self.scheduler_config.num_train_timesteps else 1
+        return st.expert_of(timestep, self.kind, self.manifest.boundary_ratio, self.scheduler_config)
 
     def _conditioning(self, embeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The denoise programs' extra inputs, from `embeds`; text mode of a "first_frame" kind without one."""
@@ -256,7 +218,7 @@ class Pipeline:
         # Placed once, shared by the experts.
         state_dev, context_dev = put(state, shardings[0]), put(context, shardings[1])
         extras_dev = [put(x, sh) for x, sh in zip(extras, shardings[5:])]
-        guidances = [np.float32(s.guidance), np.float32(s.guidance if s.guidance_2 is None else s.guidance_2)]
+        guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress or not is_primary()):
             e = self.expert_of(int(plan.timesteps[i]))
             step = self.bundle.call(programs[e])

@@ -68,3 +68,11 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> P
         finally:
             writer.close()
     return path
+
+
+def write_videos(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> list[Path]:
+    """A batch (B, F, H, W, 3): one video at `path`, or NAME-<i>.ext for each video when B > 1."""
+    path = Path(path)
+    if frames.shape[0] == 1:
+        return [write_video(frames[0], path, fps=fps)]
+    return [write_video(f, path.with_name(f"{path.stem}-{i}{path.suffix}"), fps=fps) for i, f in enumerate(frames)]

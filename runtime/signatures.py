@@ -1,0 +1,52 @@
+"""Each program's inputs and outputs in call order.
+
+The manifest names a program's inputs and outputs (JSON objects, so sorted); the programs take and
+return them positionally. This is the one place that says in which order, for anything that calls a
+program by name rather than through runtime/pipeline.py (the SavedModel's signatures, its client).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import manifest as mf
+from .errors import BundleError
+from .kinds import Kind
+
+DENOISE_INPUTS = ("state", "context", "timestep", "guidance", "row")  # then kind.denoise_extras
+
+
+@dataclass(frozen=True)
+class CallOrder:
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
+    """The positional order of program `name`'s inputs and outputs; BundleError if the manifest disagrees."""
+    caches_in, caches_out = _caches(spec.inputs), _caches(spec.outputs)
+    if name == "text_encoder":
+        order = CallOrder(("ids", "mask"), ("embeds",))
+    elif name == "image_encoder":
+        order = CallOrder(("pixels",), ("image_embeds",))
+    elif name.startswith("denoise_step"):
+        order = CallOrder(DENOISE_INPUTS + kind.denoise_extras, ("state", "finite"))
+    elif name.startswith("vae_encode_"):
+        order = CallOrder(("pixels", *caches_in), ("latents", *caches_out))
+    elif name.startswith("vae_decode_"):
+        order = CallOrder(("latents", *caches_in), ("frames", *caches_out))
+    else:
+        raise BundleError(f"program {name!r} is unknown to this runtime: upgrade wan-aot")
+    if set(order.inputs) != set(spec.inputs) or set(order.outputs) != set(spec.outputs):
+        raise BundleError(f"program {name!r} lists inputs {sorted(spec.inputs)} and outputs {sorted(spec.outputs)}, "
+                          f"not the {kind.name} layout: re-export the bundle")
+    return order
+
+
+def _caches(names: dict[str, mf.TensorSpec]) -> tuple[str, ...]:
+    """The VAE's `cache_<i>` tensors in the order of i (the program's order)."""
+    caches = [k for k in names if k.startswith("cache_")]
+    try:
+        return tuple(sorted(caches, key=lambda k: int(k.removeprefix("cache_"))))
+    except ValueError:
+        raise BundleError(f"bad cache tensor names {caches}: re-export the bundle") from None

@@ -1,0 +1,183 @@
+"""Bundles as TensorFlow SavedModels (export/savedmodel.py) and the jax-free TF client (tools/tf_generate.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import intermediates as im
+
+from .conftest import ROOT, run_module
+
+PROMPT = "a red fox running through snow"
+
+
+def blocked_run(blocked: tuple[str, ...], code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `code` (with sys.argv[1:] = args) where importing any of `blocked` raises, and any that got
+    imported anyway makes the process exit 3."""
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        BLOCKED = {blocked!r}
+
+        class Blocker(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ImportError(f"{{name}} is blocked here", name=name)
+                return None
+
+        sys.meta_path.insert(0, Blocker())
+        code = 1
+        try:
+    """) + textwrap.indent(textwrap.dedent(code), "    ") + textwrap.dedent("""
+        finally:
+            leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+            if leaked:
+                print("leaked imports:", leaked, file=sys.stderr)
+                code = 3
+        sys.exit(code)
+    """)
+    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def export_cli(*args: str, blocked: tuple[str, ...] = ("torch", "torchax", "diffusers", "transformers")
+               ) -> subprocess.CompletedProcess:
+    return blocked_run(blocked, "from export.__main__ import main\ncode = main(sys.argv[1:])", *args)
+
+
+def tf_generate(*args: str) -> subprocess.CompletedProcess:
+    """tools/tf_generate.py in a process where importing jax (or jaxlib, or torch) raises."""
+    return blocked_run(("jax", "jaxlib", "torch"), """
+        import runpy
+        sys.argv = ["tools/tf_generate.py", *sys.argv[1:]]
+        try:
+            runpy.run_path("tools/tf_generate.py", run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    """, *args)
+
+
+@pytest.fixture(scope="module")
+def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny fp32 bundle (validated against JAX while converting) and the two-expert one, converted
+    in processes where torch cannot be imported."""
+    root = tmp_path_factory.mktemp("savedmodels")
+    out = {}
+    for name, bundle, extra in (("tiny", fp32_bundles["tiny-64x32-f9"], ["--validate"]),
+                                ("t2v-moe", kind_bundles["t2v-moe"], [])):
+        out[name] = root / name
+        proc = export_cli("--savedmodel", str(bundle), "--out", str(out[name]), *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if extra:
+            assert proc.stderr.count("validated ") == 5 and ": Pass" in proc.stderr, proc.stderr[-2000:]
+    return out
+
+
+def test_layout_and_description(savedmodels, fp32_bundles) -> None:
+    directory, bundle = savedmodels["tiny"], fp32_bundles["tiny-64x32-f9"]
+    assert (directory / "1" / "saved_model.pb").is_file() and (directory / "1" / "variables").is_dir()
+    info = json.loads((directory / "wan-aot.json").read_text())
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert info["bundle_id"] == manifest["bundle_id"] and info["scheduler"] == manifest["scheduler"]
+    assert set(info["signatures"]) == {*manifest["programs"], "initial_latents"}
+    # Call order: the denoise step takes (state, context, timestep, guidance, row), as the runtime calls it.
+    assert [i["name"] for i in info["signatures"]["denoise_step"]["inputs"]] == [
+        "state", "context", "timestep", "guidance", "row"]
+    for name, program in manifest["programs"].items():
+        sig = info["signatures"][name]
+        assert {i["name"]: {"shape": i["shape"], "dtype": i["dtype"]} for i in sig["inputs"]} == program["inputs"]
+        assert {o["name"]: {"shape": o["shape"], "dtype": o["dtype"]} for o in sig["outputs"]} == program["outputs"]
+    assert not list(directory.parent.glob(".*partial*"))
+
+
+def test_tf_client_matches_the_runtime(savedmodels, fp32_bundles, tmp_path: Path) -> None:
+    """The same frames from TensorFlow (no jax in the process) as from the runtime, on the same initial
+    latents (max abs error <= 1e-4), and from the same seed (the SavedModel draws the runtime's noise)."""
+    bundle = fp32_bundles["tiny-64x32-f9"]
+    pipe = runtime.load(bundle)
+    init = np.random.default_rng(3).standard_normal(pipe.geometry.latent_shape).astype(np.float32)
+    im.save(tmp_path / "init.safetensors", im.LATENTS, {"latents": init}, pipe.bundle_id, {})
+    settings = {"steps": 3, "guidance": 4.0, "flow_shift": 2.0}
+    cases = {"latents": (["--latents", str(tmp_path / "init.safetensors")], {"latents": init}),
+             "seed": (["--seed", "11"], {"seed": 11})}
+    for name, (args, kwargs) in cases.items():
+        out, frames_out = tmp_path / f"{name}.mp4", tmp_path / f"{name}.safetensors"
+        proc = tf_generate(str(savedmodels["tiny"]), "--prompt", PROMPT, "--steps", "3", "--guidance", "4",
+                           "--flow-shift", "2", *args, "--out", str(out), "--frames-out", str(frames_out), "-q")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert out.stat().st_size > 0
+        tf_frames = im.load(frames_out, im.FRAMES, pipe.bundle_id, {"frames": (1, 9, 32, 64, 3)})[0]["frames"]
+        expected = pipe.generate(PROMPT, progress=False, **settings, **kwargs)
+        assert expected.std() > 0.01
+        np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_tf_client_two_experts(savedmodels, kind_bundles, tmp_path: Path) -> None:
+    """Wan 2.2 (two experts): the client switches signatures at the boundary with per-expert guidance."""
+    pipe = runtime.load(kind_bundles["t2v-moe"])
+    proc = tf_generate(str(savedmodels["t2v-moe"]), "--prompt", PROMPT, "--steps", "4", "--guidance", "3",
+                       "--guidance-2", "1.5", "--seed", "2", "--out", str(tmp_path / "v.mp4"),
+                       "--frames-out", str(tmp_path / "f.safetensors"), "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    g = pipe.geometry
+    tf_frames = im.load(tmp_path / "f.safetensors", im.FRAMES, pipe.bundle_id,
+                        {"frames": (1, g.frames, g.height, g.width, 3)})[0]["frames"]
+    expected = pipe.generate(PROMPT, seed=2, steps=4, guidance=3.0, guidance_2=1.5, progress=False)
+    np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def unconvertible(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Programs-only bundles: one for a TPU (with the Pallas kernel), one for the CPU."""
+    root = tmp_path_factory.mktemp("unconvertible")
+    common = ["--model", "tiny", "--no-weights", "--resolution", "64x32", "--frames", "5",
+              "--max-sequence-length", "16", "-q"]
+    run_module("export", *common, "--target", "tpu-v6e-4", "--mesh", "dp=1,sp=1,tp=1", "--out", str(root / "tpu"))
+    run_module("export", *common, "--out", str(root / "no-weights"))
+    return {"tpu": root / "tpu", "no-weights": root / "no-weights"}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("tpu", "is a TPU bundle (target tpu-v6e-4[dp=1,sp=1,tp=1]): its DiT calls the Pallas TPU kernel"),
+    ("no-weights", "has no weights (exported with --no-weights): attach them first"),
+])
+def test_unconvertible_bundles_are_refused(unconvertible, tmp_path: Path, case: str, message: str) -> None:
+    out = tmp_path / "sm"
+    proc = export_cli("--savedmodel", str(unconvertible[case]), "--out", str(out))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_existing_output_needs_force(savedmodels, fp32_bundles, tmp_path: Path) -> None:
+    out = tmp_path / "sm"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = export_cli("--savedmodel", str(fp32_bundles["tiny-64x32-f9"]), "--out", str(out))
+    assert proc.returncode == 2 and "already exists: choose another --out or pass --force" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_missing_extra_names_the_pip_command(fp32_bundles, tmp_path: Path) -> None:
+    out = tmp_path / "sm"
+    proc = export_cli("--savedmodel", str(fp32_bundles["tiny-64x32-f9"]), "--out", str(out),
+                      blocked=("torch", "tensorflow", "orbax"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().endswith("pip install 'wan-aot[savedmodel]'") and proc.stderr.count("\n") == 1
+    assert not out.exists()
+
+
+def test_tf_client_bad_input(savedmodels, tmp_path: Path) -> None:
+    proc = tf_generate(str(tmp_path), "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4"))
+    assert proc.returncode == 2 and "has no wan-aot.json: pass the directory" in proc.stderr
+    proc = tf_generate(str(savedmodels["tiny"]), "--prompt", PROMPT, "--steps", "0", "--out", str(tmp_path / "v.mp4"))
+    assert proc.returncode == 2 and "steps must be an integer >= 1" in proc.stderr
+    assert not (tmp_path / "v.mp4").exists()
