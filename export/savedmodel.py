@@ -90,7 +90,7 @@ def convert(bundle: Path, out: Path, force: bool = False, validate: bool = False
 
     from runtime.bundle import open_bundle
 
-    b = open_bundle(bundle)  # checks every file against the manifest
+    b = open_bundle(bundle, on_host=True)  # checks every file against the manifest; weights on the host CPU
     kind = kinds.get(manifest.kind)
     platform = manifest.target.platform
     groups: dict[str, str] = {}  # weight group -> the first program that takes it (its layout)

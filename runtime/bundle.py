@@ -34,12 +34,13 @@ log = logging.getLogger("runtime")
 CPU_COMPILER_OPTIONS = {"vae": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 
-def make_mesh(target: mf.Target, devices: list[Any] | None = None) -> Mesh:
-    """The target's mesh over the available devices; refuses a device count or platform mismatch."""
+def make_mesh(target: mf.Target, devices: list[Any] | None = None, any_platform: bool = False) -> Mesh:
+    """The target's mesh over the available devices; refuses a device count or (unless `any_platform`)
+    platform mismatch."""
     devices = list(jax.devices() if devices is None else devices)
     platform = devices[0].platform if devices else "none"
     want = target.platform
-    if platform != want and not (want == "cuda" and platform == "gpu"):
+    if platform != want and not (want == "cuda" and platform == "gpu") and not any_platform:
         raise BundleError(f"bundle was exported for platform {want!r} (target {target.name}) but this machine "
                           f"runs {platform!r}: export a bundle with --target for this platform")
     if len(devices) != target.num_devices:
@@ -259,8 +260,11 @@ def no_weights_message(path: Path) -> str:
             f"--attach-weights {path} --weights CHECKPOINT` first")
 
 
-def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
+def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False) -> Bundle:
     """Read and check `path`; programs and weights load lazily on first use.
+
+    `on_host` places the weights on this host's CPU devices whatever the target platform: to read or
+    convert a bundle (export/savedmodel.py), not to run it; its programs still run only on their platform.
 
     The programs and tokenizer are checked against their sha256 now; each weight file is checked
     as it is read, before its arrays are used (runtime/integrity.py: unchanged files that matched
@@ -279,7 +283,7 @@ def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
         weight_files = {w.file for w in manifest.weights.values()}
         checker.check([ref for ref in manifest.files() if ref.file not in weight_files])
         checked = time.perf_counter() - t
-    mesh = make_mesh(manifest.target)
+    mesh = make_mesh(manifest.target, jax.devices("cpu") if on_host else None, any_platform=on_host)
     bundle = Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker)
     if verify:
         bundle.timings["check programs and tokenizer"] = checked

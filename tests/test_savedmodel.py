@@ -181,3 +181,29 @@ def test_tf_client_bad_input(savedmodels, tmp_path: Path) -> None:
     proc = tf_generate(str(savedmodels["tiny"]), "--prompt", PROMPT, "--steps", "0", "--out", str(tmp_path / "v.mp4"))
     assert proc.returncode == 2 and "steps must be an integer >= 1" in proc.stderr
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_cuda_bundle_converts_for_gpu_serving(checkpoints, tmp_path: Path) -> None:
+    """A cuda bundle converts on a CPU-only machine: its signatures run the StableHLO for CUDA, and bf16
+    weights stay bf16 variables."""
+    bundle, out = tmp_path / "cuda", tmp_path / "sm"
+    run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "64x32", "--frames", "5",
+               "--max-sequence-length", "16", "--dtype", "bf16", "--target", "cuda", "--out", str(bundle), "-q")
+    proc = export_cli("--savedmodel", str(bundle), "--out", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = """
+        import collections, tensorflow as tf
+        model = tf.saved_model.load(sys.argv[1] + "/1")
+        graph = model.signatures["denoise_step"].graph.as_graph_def()
+        platforms = {bytes(p).decode() for f in graph.library.function for n in f.node_def
+                     if n.op == "XlaCallModule" for p in n.attr["platforms"].list.s}
+        dtypes = collections.Counter(d.name for d in
+                                     tf.train.load_checkpoint(sys.argv[1] + "/1/variables/variables")
+                                     .get_variable_to_dtype_map().values())
+        print(sorted(platforms), dict(dtypes))
+        code = 0
+    """
+    proc = blocked_run(("jax", "torch"), code, str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    platforms, dtypes = proc.stdout.strip().split(" ", 1)
+    assert platforms == "['CUDA']" and "'bfloat16'" in dtypes, proc.stdout
