@@ -127,6 +127,7 @@ def convert(bundle: Path, out: Path, force: bool = False, validate: bool = False
         "dtype": manifest.dtype,
         "platform": platform,
         "boundary_ratio": manifest.boundary_ratio,
+        "image_processor": manifest.image_processor,
         "geometry": dataclasses.asdict(g),
         "defaults": dataclasses.asdict(manifest.defaults),
         "scheduler": manifest.scheduler,

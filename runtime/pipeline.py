@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import images, kinds, scheduler
+from . import conditioning, images, kinds, scheduler
 from . import manifest as mf
 from . import settings as st
 from .bundle import Bundle, open_bundle
@@ -96,55 +96,11 @@ class Pipeline:
         return [first, images.load_image(last_image, "last image") if last_image is not None else None]
 
     def _encode_images(self, first: Any, last: Any | None) -> dict[str, np.ndarray]:
-        g, b = self.geometry, self.geometry.batch
-        out: dict[str, np.ndarray] = {}
-        if self.kind.image_encoder:  # CLIP on both images at once; FLF2V's DiT sees their tokens side by side
-            pixels = images.clip_pixels([first, *([last] if last is not None else [])], self.manifest.image_processor)
-            hidden = fetch(self.bundle.call("image_encoder")(pixels)).astype(np.float32)
-            out["image_embeds"] = np.tile(hidden, (b, 1, 1))  # diffusers: image_embeds.repeat(batch_size, 1, 1)
-        frames = [images.vae_pixels(first, g.width, g.height)]
-        if last is not None:
-            frames.append(images.vae_pixels(last, g.width, g.height))
-        latents = self._vae_encode(frames)  # (1, z, T or 1, h, w), normalised
-        if self.kind.conditioning == "first_frame":
-            mask = np.ones((1, 1, g.latent_frames, g.latent_height, g.latent_width), np.float32)
-            mask[:, :, 0] = 0.0
-            out["condition"], out["mask"] = np.repeat(latents, b, axis=0), mask
-        else:
-            out["condition"] = np.repeat(np.concatenate([self._frame_mask(last is not None), latents], axis=1), b,
-                                         axis=0)
-        return out
-
-    def _vae_encode(self, frames: list[np.ndarray]) -> np.ndarray:
-        """VAE latents of the conditioning: the image alone ("image"), or the video [image, zeros...,
-        last image or zero] chunk by chunk ("video"), as the I2V pipelines build it."""
-        g = self.geometry
-        first = self.bundle.call("vae_encode_first")
-        latents, caches = first(frames[0][None, :, None])
-        chunks = [latents]
-        if self.kind.vae_encode == "video" and g.latent_frames > 1:
-            nxt = self.bundle.call("vae_encode_next")
-            per_chunk = self.manifest.programs["vae_encode_next"].inputs["pixels"].shape[2]
-            for t in range(1, g.latent_frames):
-                chunk = np.zeros((1, 3, per_chunk, g.height, g.width), np.float32)
-                if t == g.latent_frames - 1 and len(frames) > 1:
-                    chunk[0, :, -1] = frames[1]  # the video's last frame
-                latents, caches = nxt(chunk, *caches)
-                chunks.append(latents)
-        return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=2)
-
-    def _frame_mask(self, has_last: bool) -> np.ndarray:
-        """diffusers' mask_lat_size: 1 on the given frames (first, and last for FLF2V), the first repeated
-        x temporal_scale, folded into (1, temporal_scale, T, h, w)."""
-        g = self.geometry
-        s = g.temporal_scale
-        m = np.zeros(g.frames, np.float32)
-        m[0] = 1.0
-        if has_last:
-            m[-1] = 1.0
-        m = np.concatenate([np.repeat(m[:1], s), m[1:]]).reshape(g.latent_frames, s).T  # (s, T)
-        return np.broadcast_to(m[None, :, :, None, None],
-                               (1, s, g.latent_frames, g.latent_height, g.latent_width)).astype(np.float32)
+        chunk = 0
+        if "vae_encode_next" in self.manifest.programs:
+            chunk = self.manifest.programs["vae_encode_next"].inputs["pixels"].shape[2]
+        return conditioning.encode_images(self.kind, self.geometry, self.manifest.image_processor, first, last,
+                                          self.bundle.call, fetch, chunk)
 
     # -- denoise ------------------------------------------------------------
     def settings(self, seed: int = 0, steps: int | None = None, guidance: float | None = None,
@@ -165,8 +121,7 @@ class Pipeline:
         """The denoise programs' extra inputs, from `embeds`; text mode of a "first_frame" kind without one."""
         specs = self.manifest.programs[kinds.denoise_program(0)].inputs
         if self.kind.conditioning == "first_frame" and "condition" not in embeds:  # TI2V as text-to-video
-            embeds = {**embeds, "condition": np.zeros(specs["condition"].shape, np.float32),
-                      "mask": np.ones(specs["mask"].shape, np.float32)}
+            embeds = {**embeds, **conditioning.text_mode(self.kind, {k: v.shape for k, v in specs.items()})}
         out = []
         for name in self.kind.denoise_extras:
             if name not in embeds:
@@ -230,10 +185,7 @@ class Pipeline:
             if on_step is not None:
                 on_step(i)
         out = fetch(state_dev)[0].astype(np.float32)
-        if self.kind.conditioning == "first_frame":  # the image's frame is the image's latent again
-            cond, mask = extras[0], extras[1]
-            out = (1.0 - mask) * cond + mask * out
-        return out
+        return conditioning.restore_first_frame(self.kind, dict(zip(self.kind.denoise_extras, extras)), out)
 
     # -- decode -------------------------------------------------------------
     def decode(self, latents: np.ndarray) -> np.ndarray:

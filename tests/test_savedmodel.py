@@ -67,12 +67,13 @@ def tf_generate(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny fp32 bundle (validated against JAX while converting) and the two-expert one, converted
-    in processes where torch cannot be imported."""
+    """The tiny fp32 bundle (validated against JAX while converting), the two-expert one and the
+    first-last-frame one (CLIP and VAE-encode stages), converted in processes where torch cannot be imported."""
     root = tmp_path_factory.mktemp("savedmodels")
     out = {}
     for name, bundle, extra in (("tiny", fp32_bundles["tiny-64x32-f9"], ["--validate"]),
-                                ("t2v-moe", kind_bundles["t2v-moe"], [])):
+                                ("t2v-moe", kind_bundles["t2v-moe"], []),
+                                ("flf2v", kind_bundles["flf2v"], [])):
         out[name] = root / name
         proc = export_cli("--savedmodel", str(bundle), "--out", str(out[name]), *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -132,6 +133,27 @@ def test_tf_client_two_experts(savedmodels, kind_bundles, tmp_path: Path) -> Non
                         {"frames": (1, g.frames, g.height, g.width, 3)})[0]["frames"]
     expected = pipe.generate(PROMPT, seed=2, steps=4, guidance=3.0, guidance_2=1.5, progress=False)
     np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4)
+
+
+def test_tf_client_first_and_last_frame(savedmodels, kind_bundles, tmp_path: Path) -> None:
+    """FLF2V from two images: CLIP on both, the conditioning video VAE-encoded chunk by chunk, in TF."""
+    from .conftest import test_image
+
+    test_image(80, 48, seed=1).save(tmp_path / "first.png")
+    test_image(64, 64, seed=2).save(tmp_path / "last.png")
+    pipe = runtime.load(kind_bundles["flf2v"])
+    proc = tf_generate(str(savedmodels["flf2v"]), "--prompt", PROMPT, "--image", str(tmp_path / "first.png"),
+                       "--last-image", str(tmp_path / "last.png"), "--steps", "3", "--seed", "4",
+                       "--out", str(tmp_path / "v.mp4"), "--frames-out", str(tmp_path / "f.safetensors"), "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    g = pipe.geometry
+    tf_frames = im.load(tmp_path / "f.safetensors", im.FRAMES, pipe.bundle_id,
+                        {"frames": (1, g.frames, g.height, g.width, 3)})[0]["frames"]
+    expected = pipe.generate(PROMPT, image=tmp_path / "first.png", last_image=tmp_path / "last.png", seed=4, steps=3,
+                             progress=False)
+    np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4)
+    proc = tf_generate(str(savedmodels["flf2v"]), "--prompt", PROMPT, "--out", str(tmp_path / "w.mp4"))
+    assert proc.returncode == 2 and "it needs an image (--image FILE" in proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,19 @@
 
 The flags mean what they mean for `python -m runtime generate` (and `denoise --latents`,
 `--frames-out`; the same safetensors formats, tied to the same bundle id). This client imports
-tensorflow, numpy, tokenizers and the project's numpy-only modules (the UniPC coefficient rows of
-runtime/scheduler.py, the settings checks, the prompt tokenizer, the video writer), never jax. Against
+tensorflow, numpy, tokenizers, Pillow and the project's numpy-only modules (the UniPC coefficient rows
+of runtime/scheduler.py, the settings checks, the prompt tokenizer, the image conditioning, the video
+writer), never jax. Against
 TF Serving, replace `signature(**inputs)` with a Predict request naming the same signature and inputs.
 
 What a client does (the signatures and their inputs are listed in DIR/wan-aot.json):
   1. tokenize prompt and negative prompt (DIR/tokenizer.json) -> `text_encoder(ids, mask)` -> embeds
-  2. `initial_latents(seed)` -> noise (or --latents)
-  3. per step i: `denoise_step(state, context, timestep, guidance, row)` with the scheduler's row i
+  2. with --image: `image_encoder(pixels)` (CLIP kinds) and `vae_encode_first` / `vae_encode_next`
+     -> the denoise step's `condition` (+ `image_embeds`, `mask`), as runtime/conditioning.py builds them
+  3. `initial_latents(seed)` -> noise (or --latents)
+  4. per step i: `denoise_step(state, context, timestep, guidance, row)` with the scheduler's row i
      (two-expert models: `denoise_step_2` below the boundary timestep)
-  4. `vae_decode_first(latents[:, :, :1])`, then `vae_decode_next(latents[:, :, t:t+1], caches...)`
+  5. `vae_decode_first(latents[:, :, :1])`, then `vae_decode_next(latents[:, :, t:t+1], caches...)`
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime import intermediates as im  # noqa: E402  (numpy-only modules; runtime/__init__ loads jax lazily)
-from runtime import kinds, scheduler  # noqa: E402
+from runtime import conditioning, images, kinds, scheduler  # noqa: E402  (numpy-only; jax loads lazily)
+from runtime import intermediates as im  # noqa: E402
 from runtime import settings as st  # noqa: E402
 from runtime.errors import UserError  # noqa: E402
 from runtime.files import check_writable  # noqa: E402
-from runtime.manifest import Defaults  # noqa: E402
+from runtime.manifest import Defaults, Geometry  # noqa: E402
 from runtime.text import PromptTokenizer  # noqa: E402
 from runtime.video import check_fps, check_video_path, write_videos  # noqa: E402
 
@@ -62,15 +65,11 @@ class SavedModelPipeline:
             raise UserError(f"{info_path} is not a wan-aot SavedModel description: convert the bundle again")
         self.directory = directory
         self.kind = kinds.get(self.info["kind"])
-        self.geometry = self.info["geometry"]
+        self.geometry = Geometry(**self.info["geometry"])
         self.config = scheduler.UniPCConfig.from_json(self.info["scheduler"])
         self.defaults = Defaults(**self.info["defaults"])
         self.bundle_id = self.info["bundle_id"]
         self._model: Any = None
-
-    def latent_shape(self) -> tuple[int, ...]:
-        g = self.geometry
-        return (g["batch"], g["latent_channels"], g["latent_frames"], g["latent_height"], g["latent_width"])
 
     def load(self) -> None:
         try:
@@ -89,21 +88,40 @@ class SavedModelPipeline:
         out = self._model.signatures[name](**args)
         return {o["name"]: out[o["name"]].numpy() for o in spec["outputs"]}
 
+    def call(self, name: str) -> Any:
+        """Signature `name` as a positional function (inputs and outputs in call order), the runtime's way."""
+        spec = self.info["signatures"][name]
+
+        def fn(*args: np.ndarray) -> tuple[np.ndarray, ...]:
+            out = self.run(name, **{i["name"]: a for i, a in zip(spec["inputs"], args, strict=True)})
+            return tuple(out[o["name"]] for o in spec["outputs"])
+
+        return fn
+
+    def shapes(self, name: str) -> dict[str, tuple[int, ...]]:
+        return {i["name"]: tuple(i["shape"]) for i in self.info["signatures"][name]["inputs"]}
+
+    def encode_images(self, first: Any, last: Any | None) -> dict[str, np.ndarray]:
+        """The denoise inputs of an image (runtime/conditioning.py, as the runtime builds them)."""
+        chunk = self.shapes("vae_encode_next")["pixels"][2] if "vae_encode_next" in self.info["signatures"] else 0
+        return conditioning.encode_images(self.kind, self.geometry, self.info.get("image_processor"), first, last,
+                                          self.call, np.asarray, chunk)
+
     def encode(self, prompt: str, negative_prompt: str) -> np.ndarray:
         """(2B, L, D) float32: the prompt's embeddings, then the negative prompt's."""
-        b = self.geometry["batch"]
+        b = self.geometry.batch
         tokenizer = PromptTokenizer.from_file(self.directory / self.info["tokenizer"],
-                                              self.geometry["max_sequence_length"])
+                                              self.geometry.max_sequence_length)
         ids, mask = tokenizer([prompt] * b + [negative_prompt] * b)
         return self.run("text_encoder", ids=ids, mask=mask)["embeds"].astype(np.float32)
 
-    def denoise(self, context: np.ndarray, latents: np.ndarray, s: st.DenoiseSettings, progress: bool) -> np.ndarray:
+    def denoise(self, context: np.ndarray, latents: np.ndarray, extras: dict[str, np.ndarray], s: st.DenoiseSettings,
+                progress: bool) -> np.ndarray:
         from tqdm.auto import tqdm
 
         plan = scheduler.plan(s.steps, s.flow_shift, self.config)
         state = np.zeros((scheduler.state_rows(self.config.solver_order), *latents.shape), np.float32)
         state[0] = latents
-        extras = self._text_mode_extras()
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress):
             t = int(plan.timesteps[i])
             e = st.expert_of(t, self.kind, self.info["boundary_ratio"], self.config)
@@ -113,15 +131,7 @@ class SavedModelPipeline:
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
                                 f"{s.steps}: check the weights, guidance and dtype")
             state = out["state"]
-        return state[0].astype(np.float32)
-
-    def _text_mode_extras(self) -> dict[str, np.ndarray]:
-        """TI2V without an image: zero condition, all-ones mask (the runtime's text mode); nothing otherwise."""
-        inputs = {i["name"]: i for i in self.info["signatures"][kinds.denoise_program(0)]["inputs"]}
-        if self.kind.conditioning != "first_frame":
-            return {}
-        return {"condition": np.zeros(inputs["condition"]["shape"], np.float32),
-                "mask": np.ones(inputs["mask"]["shape"], np.float32)}
+        return conditioning.restore_first_frame(self.kind, extras, state[0].astype(np.float32))
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """(B, F, H, W, 3) float32 in [0, 1], chunk by chunk with the VAE's caches carried on the host."""
@@ -141,6 +151,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("savedmodel", type=Path, metavar="DIR", help="what `python -m export --savedmodel` wrote")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")
+    p.add_argument("--image", type=Path, default=None, help="first frame (image-to-video and TI2V SavedModels)")
+    p.add_argument("--last-image", type=Path, default=None, help="last frame (first-last-frame SavedModels)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the bundle's)")
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
@@ -163,18 +175,22 @@ def generate(args: argparse.Namespace) -> list[Path]:
     if args.fps is not None:
         check_fps(args.fps)
     pipe = SavedModelPipeline(args.savedmodel)
-    if pipe.kind.image == "required":
-        raise UserError(f"this SavedModel is {pipe.kind.title}: it needs an image, and tools/tf_generate.py runs "
-                        "text-to-video only (use `python -m runtime generate --image` on the bundle)")
+    first = None if args.image is None else images.load_image(args.image, "--image")
+    last = None if args.last_image is None else images.load_image(args.last_image, "--last-image")
+    kinds.check_images(pipe.kind, first, last)
     s = st.resolve(pipe.defaults, pipe.kind, pipe.config, args.seed, args.steps, args.guidance, args.flow_shift,
                    args.guidance_2)
     init = None
     if args.latents is not None:
-        init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": pipe.latent_shape()})[0]["latents"]
+        init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": pipe.geometry.latent_shape})[0]["latents"]
     pipe.load()
     context = pipe.encode(args.prompt, args.negative_prompt)
+    if first is not None:
+        extras = pipe.encode_images(first, last)
+    else:
+        extras = conditioning.text_mode(pipe.kind, pipe.shapes(kinds.denoise_program(0)))
     latents = pipe.run("initial_latents", seed=np.uint32(s.seed))["latents"] if init is None else init
-    latents = pipe.denoise(context, np.asarray(latents, np.float32), s, progress=not args.quiet)
+    latents = pipe.denoise(context, np.asarray(latents, np.float32), extras, s, progress=not args.quiet)
     frames = pipe.decode(latents)
     if args.frames_out is not None:
         im.save(args.frames_out, im.FRAMES, {"frames": frames}, pipe.bundle_id, {})
