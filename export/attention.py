@@ -146,15 +146,17 @@ def _local(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: Atten
 
 def _sharded(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: AttentionConfig,
              mesh: AbstractMesh) -> jax.Array:
-    """DiT attention inside shard_map: self-attention split on heads (tp) and queries (sp); cross-attention
-    (kv length != q length) on queries over (tp, sp) with K/V whole, queries padded to divide."""
+    """DiT attention inside shard_map: self-attention split on heads (tp) and queries (the layout's sequence
+    axes, sp); cross-attention (kv length != q length) on queries over (tp, sequence axes) with K/V whole,
+    queries padded to divide. The layout is the traced program's (export/sharding.py `current_layout`)."""
     local = functools.partial(_local, scale=scale, config=config)
     sq = q.shape[2]
+    layout = sharding.current_layout()
     if k.shape[2] == sq:
-        q_spec, kv_spec = sharding.SELF_Q, sharding.SELF_KV
+        q_spec, kv_spec = layout.self_q, layout.self_kv
     else:
-        q_spec, kv_spec = sharding.CROSS_Q, sharding.CROSS_KV
-        split = mesh.shape["tp"] * mesh.shape["sp"]
+        q_spec, kv_spec = layout.cross_q, layout.cross_kv
+        split = layout.query_split(mesh)
         q = jnp.pad(q, ((0, 0), (0, 0), (0, -sq % split), (0, 0)))
     out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
                         check_vma=False)(q, k, v)

@@ -158,7 +158,8 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
         return module, extract(module, attention, cpu_dots=cpu)
     if group in ("transformer", "transformer_2"):
         module = src.load_transformer(group)
-        return module, extract(module, attention, mesh, {r"blocks\.\d+": sharding.DIT_HIDDEN}, cpu_dots=cpu)
+        return module, extract(module, attention, mesh, {r"blocks\.\d+": lambda: sharding.current_layout().hidden},
+                             cpu_dots=cpu)
     if group == "vae":
         module = src.load_vae()
         parts = vae_stage.module(module, encode=bool(src.model.vae_encode))
@@ -213,7 +214,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
-            n2, L, D = 2 * geo.batch, geo.max_sequence_length, geo.text_dim
+            n2, L = 2 * geo.batch, geo.max_sequence_length
             module, ex = load_component(src, "text_encoder", attention, platform=s.target.platform)
             add_weights("text_encoder", ex.weights)
             add_program("text_encoder", "text_encoder", text_encoder.build(ex),
@@ -238,22 +239,15 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             for e, group in enumerate(kind.expert_groups):
                 module, ex = load_component(src, group, attention, mesh, platform=s.target.platform)
                 add_weights(group, ex.weights)
-                name = kinds.denoise_program(e)
                 if e == 0:
-                    patch = tuple(src.transformer_config["patch_size"][1:])
-                    add_program(name, group, denoise.build(ex, order, model_dtype, kind, patch), {
-                        "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
-                        "context": TensorSpec((n2, L, D), "float32"),
-                        "timestep": TensorSpec((), "int32"),
-                        "guidance": TensorSpec((), "float32"),
-                        "row": TensorSpec((sched.row_size(order),), "float32"),
-                        **extras,
-                    }, ["state", "finite"], {"context": PartitionSpec("dp")})
-                else:  # the same program with this expert's weights (identical names, shapes and shardings)
+                    export_denoise(src, ex, kind, geo, s.target, order, model_dtype, extras, add_program, programs)
+                else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
                         raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
-                    programs[name] = dataclasses.replace(first, weights=group)
+                    for v in kinds.DENOISE_VARIANTS:
+                        programs[kinds.denoise_program(e, v)] = dataclasses.replace(
+                            programs[kinds.denoise_program(0, v)], weights=group)
                 del module, ex
             gc.collect()
 
@@ -306,6 +300,37 @@ def denoise_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | No
         "image_embeds": (b * image_tokens[0], *image_tokens[1:]) if image_tokens else (),
     }
     return {name: TensorSpec(shapes[name], "float32") for name in kind.denoise_extras}
+
+
+def export_denoise(src: Source, ex: Extracted, kind: Kind, geo: Geometry, target: Target, order: int,
+                   model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any,
+                   programs: dict[str, ProgramSpec]) -> None:
+    """The first expert's denoise programs, one per variant (kinds.DENOISE_VARIANTS), each traced with the DiT
+    layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one."""
+    patch = tuple(src.transformer_config["patch_size"][1:])
+    L, D = geo.max_sequence_length, geo.text_dim
+    tokens = dit_shape(src, geo).tokens
+    for v in kinds.DENOISE_VARIANTS.values():
+        batch = (2 if v.cfg else 1) * geo.batch
+        layout = sharding.dit_layout(target.mesh, batch, tokens)
+        inputs = {
+            "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
+            "context": TensorSpec((batch, L, D), "float32"),
+            "timestep": TensorSpec((), "int32"),
+            "guidance": TensorSpec((), "float32"),
+            "row": TensorSpec((sched.row_size(order),), "float32"),
+            **extras,
+        }
+        outputs, out_partition = ["state", "finite"], [PartitionSpec(), PartitionSpec()]
+        if v.residual == "in":  # as the "residual" variant (exported before this one) returns it
+            inputs["residual"] = programs[kinds.denoise_program(0, "residual")].outputs["residual"]
+        if v.residual == "out":
+            outputs.append("residual")
+            out_partition.append(layout.hidden)
+        with sharding.use_layout(layout):
+            add_program(kinds.denoise_program(0, v.name), "transformer",
+                        denoise.build(ex, order, model_dtype, kind, patch, v), inputs, outputs,
+                        {"context": layout.batch_spec, "residual": layout.hidden}, tuple(out_partition))
 
 
 def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any) -> None:

@@ -1,5 +1,8 @@
 """Stage `denoise_step`: one step = DiT on cond+uncond (one batch), guidance, UniPC update.
 
+Variants (runtime/kinds.py DENOISE_VARIANTS) of the same step: `_cond` runs the cond half only,
+for steps without guidance; `_residual` and `_cached` are MagCache's full and cached steps.
+
 The scheduler is expressed as a coefficient row per step (runtime/scheduler.py), so
 this one program serves any number of steps and any flow shift; the guidance scale
 is an input too. A two-expert model runs this same program with the second
@@ -18,49 +21,69 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from runtime.kinds import Kind
+from runtime.kinds import DENOISE_VARIANTS, DenoiseVariant, Kind
 
+from . import block_cache
 from .trace import Extracted
 
 
-def build(ex: Extracted, order: int, dtype: Any, kind: Kind, patch: tuple[int, int] = (2, 2)
-          ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """fn(weights, state, context, timestep, guidance, row, *extras) -> (new state, all-finite flag).
+def build(ex: Extracted, order: int, dtype: Any, kind: Kind, patch: tuple[int, int] = (2, 2),
+          variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, state, context, timestep, guidance, row, *extras[, residual]) -> (new state, all-finite
+    flag[, residual]).
 
     state (order+2, B, C, T, H, W) float32, see runtime/scheduler.py for the layout;
-    context (2B, L, D) float32: prompt embeddings then negative prompt embeddings;
+    context float32: (2B, L, D), prompt embeddings then negative prompt embeddings, for a `variant.cfg`
+    program; (B, L, D), prompt embeddings only, for one without (which ignores `guidance`);
     timestep int32 scalar; guidance float32 scalar; row float32 coefficients;
     extras, named by kind.denoise_extras: condition float32 ((B, 4 + z, T, H, W) for "concat",
     (B, z, 1, H, W) for "first_frame"), mask float32 (1, 1, T, H, W) (1 where the latents are
-    denoised, 0 where the image stands), image_embeds float32 (B x images, tokens, D_img).
+    denoised, 0 where the image stands), image_embeds float32 (B x images, tokens, D_img);
+    residual (2B, S, dim) in the model dtype: the transformer blocks' output minus input, returned by a
+    "residual" variant and taken (instead of running the blocks) by a "cached" one (export/block_cache.py).
     """
+    copies = 2 if variant.cfg else 1
 
     def step(weights: dict[str, Any], state: jax.Array, context: jax.Array, timestep: jax.Array,
-             guidance: jax.Array, row: jax.Array, *extras: jax.Array) -> tuple[jax.Array, jax.Array]:
+             guidance: jax.Array, row: jax.Array, *extras: jax.Array) -> tuple[jax.Array, ...]:
+        residual = None
+        if variant.residual == "in":
+            *extras, residual = extras
         named = dict(zip(kind.denoise_extras, extras, strict=True))
         x, xprev, hist = state[0], state[1], state[2:]
         b = x.shape[0]
         if kind.conditioning == "concat":  # as diffusers: cat([latents, condition], dim=1).to(dtype)
             model_x = jnp.concatenate([x, named["condition"]], axis=1)
-            t = jnp.full((2 * b,), timestep, jnp.int32)
+            t = jnp.full((copies * b,), timestep, jnp.int32)
         elif kind.conditioning == "first_frame":  # (1 - mask) * condition + mask * latents; t per token
             mask = named["mask"]
             model_x = (1.0 - mask) * named["condition"] + mask * x
             tokens = (mask[0, 0][:, :: patch[0], :: patch[1]] * timestep.astype(jnp.float32)).reshape(-1)
-            t = jnp.broadcast_to(tokens, (2 * b, tokens.shape[0]))
+            t = jnp.broadcast_to(tokens, (copies * b, tokens.shape[0]))
         else:
             model_x = x
-            t = jnp.full((2 * b,), timestep, jnp.int32)
-        model_in = jnp.concatenate([model_x, model_x]).astype(dtype)
+            t = jnp.full((copies * b,), timestep, jnp.int32)
+        model_in = jnp.concatenate([model_x] * copies).astype(dtype)
         kwargs: dict[str, Any] = {"return_dict": False}
         if "image_embeds" in named:  # the same image for cond and uncond
-            image = named["image_embeds"]
-            kwargs["encoder_hidden_states_image"] = jnp.concatenate([image, image]).astype(dtype)
-        out = ex.fn(weights, (model_in, t, context.astype(dtype)), kwargs)[0]
-        cond, uncond = out[:b], out[b:]
-        # As diffusers: uncond + g * (cond - uncond) in the model dtype, only when g > 1.
-        guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
-        v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
+            kwargs["encoder_hidden_states_image"] = jnp.concatenate([named["image_embeds"]] * copies).astype(dtype)
+        args = (model_in, t, context.astype(dtype))
+        if variant.residual == "out":
+            with block_cache.capture(ex.module) as box:
+                out = ex.fn(weights, args, kwargs)[0]
+            residual = ex.env.t2j_iso(box["out"]) - ex.env.t2j_iso(box["in"])
+        elif variant.residual == "in":
+            with block_cache.skip(ex.module, ex.env.j2t_iso(residual.astype(dtype))):
+                out = ex.fn(weights, args, kwargs)[0]
+        else:
+            out = ex.fn(weights, args, kwargs)[0]
+        if variant.cfg:
+            cond, uncond = out[:b], out[b:]
+            # As diffusers: uncond + g * (cond - uncond) in the model dtype, only when g > 1.
+            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
+        else:  # as diffusers without classifier-free guidance: the cond prediction alone
+            v = out.astype(jnp.float32)
 
         m_i = x - row[0] * v
         c = row[1:1 + order + 3]
@@ -72,6 +95,9 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, patch: tuple[int, i
         for j in range(order - 1):
             x_next = x_next + p[2 + j] * hist[j]
         new_state = jnp.stack([x_next, xc, m_i, *[hist[j] for j in range(order - 1)]])
-        return new_state, jnp.all(jnp.isfinite(x_next))
+        finite = jnp.all(jnp.isfinite(x_next))
+        if variant.residual == "out":
+            return new_state, finite, residual
+        return new_state, finite
 
     return step

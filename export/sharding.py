@@ -20,8 +20,12 @@ From DESIGN.md section 5 and the seeds:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
+import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +60,79 @@ RULES: dict[str, list[tuple[str, Any]]] = {
     "wan_vae": [(r".*", REPLICATED)],
 }
 
-# Activations inside the DiT (B here is 2 x batch: cond and uncond).
-DIT_HIDDEN = PartitionSpec("dp", "sp", None)  # (B, S, dim) entering each transformer block
-SELF_Q = PartitionSpec("dp", "tp", "sp", None)  # (B, heads, S, head_dim)
-SELF_KV = PartitionSpec("dp", "tp", None, None)
-CROSS_Q = PartitionSpec("dp", None, ("tp", "sp"), None)
-CROSS_KV = PartitionSpec("dp", None, None, None)
+
+
+@dataclass(frozen=True)
+class DitLayout:
+    """Activations inside the DiT: the batch over `batch` axes, the token sequence over `seq` axes.
+
+    The CFG programs run cond and uncond as one batch of 2B, split over dp. A program without the
+    uncond half (batch B, often 1) cannot split its batch over dp=2, so dp joins the sequence axes
+    instead (`dit_layout`): every device still works on its share of the tokens.
+    """
+
+    batch: tuple[str, ...] = ("dp",)
+    seq: tuple[str, ...] = ("sp",)
+
+    @staticmethod
+    def _axes(names: tuple[str, ...]) -> Any:
+        return None if not names else names[0] if len(names) == 1 else names
+
+    @property
+    def hidden(self) -> PartitionSpec:  # (B, S, dim) entering each transformer block
+        return PartitionSpec(self._axes(self.batch), self._axes(self.seq), None)
+
+    @property
+    def self_q(self) -> PartitionSpec:  # (B, heads, S, head_dim): heads over tp, queries over seq
+        return PartitionSpec(self._axes(self.batch), "tp", self._axes(self.seq), None)
+
+    @property
+    def self_kv(self) -> PartitionSpec:
+        return PartitionSpec(self._axes(self.batch), "tp", None, None)
+
+    @property
+    def cross_q(self) -> PartitionSpec:  # queries over (tp, seq), the text K/V whole
+        return PartitionSpec(self._axes(self.batch), None, ("tp", *self.seq), None)
+
+    @property
+    def cross_kv(self) -> PartitionSpec:
+        return PartitionSpec(self._axes(self.batch), None, None, None)
+
+    @property
+    def batch_spec(self) -> PartitionSpec:  # a (B, ...) program input such as the text context
+        return PartitionSpec(self._axes(self.batch))
+
+    def query_split(self, mesh: Any) -> int:
+        """How many pieces cross-attention queries are cut into (they are padded to divide)."""
+        return math.prod(mesh.shape[a] for a in ("tp", *self.seq))
+
+
+CFG_LAYOUT = DitLayout()
+_LAYOUT: contextvars.ContextVar[DitLayout] = contextvars.ContextVar("dit_layout", default=CFG_LAYOUT)
+
+
+def dit_layout(mesh: dict[str, int], batch: int, tokens: int) -> DitLayout:
+    """The layout of a DiT call on `batch` samples of `tokens` tokens: the batch over dp when it divides;
+    else dp joins sp on the sequence (when the tokens divide), else dp replicates."""
+    if batch % mesh["dp"] == 0:
+        return CFG_LAYOUT
+    if tokens % (mesh["dp"] * mesh["sp"]) == 0:
+        return DitLayout(batch=(), seq=("dp", "sp"))
+    return DitLayout(batch=(), seq=("sp",))
+
+
+def current_layout() -> DitLayout:
+    """The layout of the DiT program being traced (the block constraints and attention read it)."""
+    return _LAYOUT.get()
+
+
+@contextlib.contextmanager
+def use_layout(layout: DitLayout) -> Iterator[None]:
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
 
 
 def _axis_size(mesh: dict[str, int], entry: Any) -> int:

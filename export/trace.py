@@ -29,16 +29,19 @@ class Extracted:
 
     weights: dict[str, Any]
     fn: Callable[..., Any]
+    module: Any = None  # the torch module fn calls (hooks on it act inside fn)
+    env: Any = None  # the torchax environment fn runs in (to move tensors between torch and jax)
 
 
 def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None = None,
-            constraints: dict[str, PartitionSpec] | None = None, conv_as_2d: bool = False,
+            constraints: dict[str, PartitionSpec | Callable[[], PartitionSpec]] | None = None, conv_as_2d: bool = False,
             cpu_dots: bool = False) -> Extracted:
     """torchax view of `module` with our attention installed (torchax.extract_jax without the weight copy).
 
     With `mesh`, attention is pinned to the DiT layout and `constraints` maps submodule-name
     patterns to the PartitionSpec of their first input (e.g. every transformer block's
-    hidden states), so the sharding survives the trip through torch code. `conv_as_2d` runs 3D
+    hidden states), so the sharding survives the trip through torch code; a callable spec is
+    asked at trace time (the DiT's layout depends on the program's batch). `conv_as_2d` runs 3D
     convolutions as 2D ones (export/conv.py; for the VAE on CPU). `cpu_dots` accumulates bf16
     matmuls in fp32 (export/cpu_dots.py; for CPU targets).
     """
@@ -57,7 +60,7 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
         for pattern, spec in (constraints or {}).items():
             for name, sub in module.named_modules():
                 if re.fullmatch(pattern, name):
-                    sub.register_forward_pre_hook(_constrain_first_input(env, NamedSharding(mesh, spec)))
+                    sub.register_forward_pre_hook(_constrain_first_input(env, mesh, spec))
     jm = tx.interop.JittableModule(module, dedup_parameters=True)
 
     def fn(weights: dict[str, Any], args: tuple, kwargs: dict[str, Any] | None = None, method: str = "forward") -> Any:
@@ -68,7 +71,8 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
             res = jm.functional_call(method, params, buffers, *args, **kwargs)
         return env.t2j_iso(res)
 
-    return Extracted(weights={k: _jax_int(k, v) for k, v in {**jm.buffers, **jm.params}.items()}, fn=fn)
+    return Extracted(weights={k: _jax_int(k, v) for k, v in {**jm.buffers, **jm.params}.items()}, fn=fn,
+                     module=module, env=env)
 
 
 def _jax_int(name: str, t: Any) -> Any:
@@ -82,8 +86,10 @@ def _jax_int(name: str, t: Any) -> Any:
     return t.to(torch.int32)
 
 
-def _constrain_first_input(env: Any, sharding: NamedSharding) -> Callable[..., Any]:
+def _constrain_first_input(env: Any, mesh: AbstractMesh, spec: PartitionSpec | Callable[[], PartitionSpec]
+                           ) -> Callable[..., Any]:
     def hook(module: Any, args: tuple) -> tuple:
+        sharding = NamedSharding(mesh, spec() if callable(spec) else spec)
         x = jax.lax.with_sharding_constraint(env.t2j_iso(args[0]), sharding)
         return (env.j2t_iso(x), *args[1:])
 

@@ -57,7 +57,8 @@ class Kind:
         return extra + (("image_embeds",) if self.image_encoder else ())
 
     def stages(self, latent_frames: int) -> tuple[str, ...]:
-        """The programs a bundle of this kind holds, in the order they run."""
+        """The programs a bundle of this kind holds, in the order they run (bundles exported before the
+        denoise variants other than "cfg" existed hold only that one; the runtime falls back to it)."""
         out = ["text_encoder"]
         if self.image_encoder:
             out.append("image_encoder")
@@ -65,7 +66,7 @@ class Kind:
             out.append("vae_encode_first")
             if self.vae_encode == "video" and latent_frames > 1:
                 out.append("vae_encode_next")
-        out += [denoise_program(e) for e in range(self.experts)]
+        out += [denoise_program(e, v) for e in range(self.experts) for v in DENOISE_VARIANTS]
         out.append("vae_decode_first")
         if latent_frames > 1:
             out.append("vae_decode_next")
@@ -94,9 +95,44 @@ def get(name: str) -> Kind:
     return KINDS[name]
 
 
-def denoise_program(expert: int) -> str:
-    """Expert 0 runs `denoise_step`, expert 1 `denoise_step_2` (the same program file, other weights)."""
-    return "denoise_step" if expert == 0 else f"denoise_step_{expert + 1}"
+@dataclass(frozen=True)
+class DenoiseVariant:
+    """One of the denoise programs of an expert; the host picks one per step (runtime/pipeline.py).
+
+    cfg: the DiT runs cond and uncond as one batch of 2B and guidance mixes them; without, it runs the
+    cond half only (batch B), for steps whose guidance is <= 1, where the result is cond alone anyway.
+    residual: "" (plain step), "out" (also returns the transformer blocks' residual, a MagCache full
+    step) or "in" (takes a residual and skips the blocks, a MagCache cached step).
+    """
+
+    name: str
+    suffix: str
+    cfg: bool
+    residual: str
+
+
+DENOISE_VARIANTS: dict[str, DenoiseVariant] = {v.name: v for v in (
+    DenoiseVariant("cfg", "", cfg=True, residual=""),
+    DenoiseVariant("cond", "_cond", cfg=False, residual=""),
+    DenoiseVariant("residual", "_residual", cfg=True, residual="out"),
+    DenoiseVariant("cached", "_cached", cfg=True, residual="in"),
+)}
+
+
+def denoise_program(expert: int, variant: str = "cfg") -> str:
+    """Expert 0 runs `denoise_step[suffix]`, expert 1 `denoise_step_2[suffix]` (the same program file, other
+    weights); the suffix names the variant (DENOISE_VARIANTS), none for the CFG step every bundle has."""
+    base = "denoise_step" if expert == 0 else f"denoise_step_{expert + 1}"
+    return base + DENOISE_VARIANTS[variant].suffix
+
+
+def denoise_variant(name: str) -> DenoiseVariant | None:
+    """The variant of denoise program `name`, or None if `name` is not a denoise program."""
+    for v in DENOISE_VARIANTS.values():
+        for e in (0, 1):
+            if name == denoise_program(e, v.name):
+                return v
+    return None
 
 
 def check_images(kind: Kind, image: object, last_image: object) -> None:

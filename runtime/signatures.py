@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import kinds
 from . import manifest as mf
 from .errors import BundleError
 from .kinds import Kind
@@ -29,8 +30,9 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
         order = CallOrder(("ids", "mask"), ("embeds",))
     elif name == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))
-    elif name.startswith("denoise_step"):
-        order = CallOrder(DENOISE_INPUTS + kind.denoise_extras, ("state", "finite"))
+    elif (variant := kinds.denoise_variant(name)) is not None:
+        order = CallOrder(DENOISE_INPUTS + kind.denoise_extras + (("residual",) if variant.residual == "in" else ()),
+                          ("state", "finite") + (("residual",) if variant.residual == "out" else ()))
     elif name.startswith("vae_encode_"):
         order = CallOrder(("pixels", *caches_in), ("latents", *caches_out))
     elif name.startswith("vae_decode_"):

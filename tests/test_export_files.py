@@ -50,5 +50,7 @@ def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) 
     assert set(first) == {"manifest.json", "tokenizer/tokenizer.json", "weights/text_encoder.safetensors",
                           "weights/transformer.safetensors", "weights/vae.safetensors",
                           "stages/text_encoder.jaxexport", "stages/denoise_step.jaxexport",
-                          "stages/vae_decode_first.jaxexport", "stages/vae_decode_next.jaxexport"}
+                          "stages/denoise_step_cond.jaxexport", "stages/denoise_step_residual.jaxexport",
+                          "stages/denoise_step_cached.jaxexport", "stages/vae_decode_first.jaxexport",
+                          "stages/vae_decode_next.jaxexport"}
     assert _digests(again) == first

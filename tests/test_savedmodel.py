@@ -78,7 +78,7 @@ def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFac
         proc = export_cli("--savedmodel", str(bundle), "--out", str(out[name]), *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if extra:
-            assert proc.stderr.count("validated ") == 5 and ": Pass" in proc.stderr, proc.stderr[-2000:]
+            assert proc.stderr.count("validated ") == 8 and ": Pass" in proc.stderr, proc.stderr[-2000:]
     return out
 
 
