@@ -6,6 +6,7 @@
     python -m export --attach-weights artifacts/14b --weights Wan-AI/Wan2.1-T2V-14B-Diffusers
     python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
     python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel    # TF Serving (extra: savedmodel)
+    python -m export --lora my_lora.safetensors --bundle artifacts/tiny --out artifacts/my_lora.safetensors
 
 The model kind (Wan 2.1/2.2, T2V, TI2V, I2V, FLF2V, one or two experts) is detected from the checkpoint.
 """
@@ -44,6 +45,13 @@ def parser() -> argparse.ArgumentParser:
                         "(TF Serving layout: OUT/1/saved_model.pb) to --out; needs the savedmodel extra, not torch")
     p.add_argument("--validate", action="store_true",
                    help="with --savedmodel: run every signature in TF and in JAX and compare (cpu bundles)")
+    p.add_argument("--lora", type=Path, metavar="SOURCE",
+                   help="instead of exporting: convert this LoRA (any format diffusers' Wan loader reads, "
+                        ".safetensors) into an adapter for --bundle, written to --out")
+    p.add_argument("--bundle", type=Path, help="with --lora: the bundle the adapter is for")
+    p.add_argument("--lora-into", choices=("transformer", "transformer_2"), default=None,
+                   help="with --lora: load the LoRA's `transformer` keys into this expert (diffusers' "
+                        "load_into_transformer_2; e.g. a Wan 2.2 low-noise LoRA)")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
     p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
                                         "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32)")
@@ -92,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             return _attach(args)
         if args.savedmodel is not None:
             return _savedmodel(args)
+        if args.lora is not None:
+            return _lora(args)
+        if args.bundle is not None or args.lora_into is not None:
+            raise UserError("--bundle and --lora-into go with --lora SOURCE")
         if args.validate:
             raise UserError("--validate goes with --savedmodel BUNDLE")
         from .build import Settings, build_bundle, check_frames, parse_resolution, size_multiple
@@ -149,6 +161,17 @@ def _savedmodel(args: argparse.Namespace) -> int:
     info = convert(args.savedmodel, args.out, force=args.force, validate=args.validate)
     logging.getLogger("export").info("wrote %s (SavedModel of bundle %s, %d signatures) in %.1f s", args.out,
                                      info["bundle_id"], len(info["signatures"]), time.perf_counter() - t0)
+    return 0
+
+
+def _lora(args: argparse.Namespace) -> int:
+    from .lora import convert
+
+    if args.bundle is None or args.out is None:
+        raise UserError("--lora SOURCE needs --bundle BUNDLE (the bundle it is for) and --out ADAPTER.safetensors")
+    if not (args.bundle / "manifest.json").is_file():
+        raise UserError(f"--bundle {args.bundle} is not a bundle (no manifest.json)")
+    convert(args.lora, args.bundle, args.out, into=args.lora_into, force=args.force)
     return 0
 
 

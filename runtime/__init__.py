@@ -3,12 +3,13 @@
     import runtime
     pipe = runtime.load("artifacts/tiny")
     frames = pipe.generate("a cat playing piano", seed=0, steps=20)
+    fast = pipe.generate("a cat playing piano", magcache=runtime.MagCache(ratios))  # ratios: `calibrate`
     runtime.write_video(frames[0], "cat.mp4", fps=16)
 
 `runtime.enable_compilation_cache()` (before the first call) makes the next process skip compiling.
 
 The jax-using names are imported on first use, so that the numpy-only modules (`runtime.scheduler`,
-`runtime.text`, `runtime.video`, `runtime.intermediates`) serve clients without jax, such as
+`runtime.magcache`, `runtime.text`, `runtime.video`, `runtime.intermediates`) serve clients without jax, such as
 tools/tf_generate.py.
 """
 
@@ -18,12 +19,13 @@ import importlib
 from typing import Any
 
 from .errors import BundleError, UserError
+from .magcache import MagCache
 from .video import write_video
 
 _LAZY = {"Pipeline": ".pipeline", "load": ".pipeline", "enable_compilation_cache": ".cache"}
 _NAMES = {"enable_compilation_cache": "enable"}
 
-__all__ = ["BundleError", "Pipeline", "UserError", "enable_compilation_cache", "load", "write_video"]
+__all__ = ["BundleError", "MagCache", "Pipeline", "UserError", "enable_compilation_cache", "load", "write_video"]
 
 
 def __getattr__(name: str) -> Any:

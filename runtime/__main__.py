@@ -5,6 +5,8 @@
     python -m runtime encode  BUNDLE --prompt "..." [--image first.png] --out embeds.safetensors
     python -m runtime denoise BUNDLE --embeds embeds.safetensors --out latents.safetensors
     python -m runtime decode  BUNDLE --latents latents.safetensors --out video.mp4
+    python -m runtime calibrate BUNDLE --prompt "..." --steps 50 --out ratios.json   # MagCache's ratios
+    python -m runtime generate BUNDLE --prompt "..." --magcache ratios.json --out fast.mp4
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -31,6 +34,39 @@ def _denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance-2", type=float, default=None,
                    help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
     p.add_argument("--flow-shift", type=float, default=None, help="UniPC flow shift (default: the bundle's)")
+
+
+def _magcache_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("MagCache (skip the transformer blocks on steps whose residual is predictable)")
+    m.add_argument("--magcache", type=Path, default=None, metavar="RATIOS.json",
+                   help="the model's magnitude ratios (from `python -m runtime calibrate`, or a JSON list)")
+    m.add_argument("--magcache-threshold", type=float, default=0.06, metavar="T",
+                   help="accumulated error allowed before a step runs in full (default 0.06)")
+    m.add_argument("--magcache-max-skip", type=int, default=3, metavar="K",
+                   help="most steps skipped in a row (default 3)")
+    m.add_argument("--magcache-retention", type=float, default=0.2, metavar="R",
+                   help="fraction of the first steps never skipped (default 0.2)")
+
+
+def magcache_from_args(args: argparse.Namespace) -> object | None:
+    """The runtime.MagCache the flags ask for, or None; a bad file or value is a UserError."""
+    if args.magcache is None:
+        return None
+    from .magcache import MagCache, load_ratios
+
+    return MagCache(load_ratios(args.magcache), threshold=args.magcache_threshold,
+                    max_skip_steps=args.magcache_max_skip, retention_ratio=args.magcache_retention)
+
+
+def _lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
+                   help="LoRA adapter from `python -m export --lora`, merged at load (scale default 1; repeatable)")
+
+
+def loras_from_args(args: argparse.Namespace) -> list[tuple[Path, float]]:
+    from .lora import parse_spec
+
+    return [parse_spec(text) for text in getattr(args, "lora", [])]
 
 
 def _image_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +97,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--negative-prompt", default="")
     _image_args(g)
     _denoise_args(g)
+    _magcache_args(g)
+    _lora_args(g)
     g.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
     g.add_argument("--out", type=Path, required=True,
                    help="video path: .mp4, .mkv, .mov or .gif (batch > 1 writes NAME-<i>.mp4)")
@@ -71,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt", required=True)
     e.add_argument("--negative-prompt", default="")
     _image_args(e)
+    _lora_args(e)
     e.add_argument("--out", type=Path, required=True, help="embeddings (and image conditioning), safetensors")
 
     d = sub.add_parser("denoise", parents=[common], help="embeddings -> latents (safetensors)")
@@ -78,7 +117,19 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--embeds", type=Path, required=True, help="what `encode` wrote (incl. the image conditioning)")
     d.add_argument("--latents", type=Path, default=None, help="initial latents (key `latents`) instead of noise")
     _denoise_args(d)
+    _magcache_args(d)
+    _lora_args(d)
     d.add_argument("--out", type=Path, required=True)
+
+    cal = sub.add_parser("calibrate", parents=[common], help="MagCache's ratios for this bundle (every step run "
+                                                              "in full) -> ratios.json")
+    _bundle_arg(cal)
+    cal.add_argument("--prompt", required=True)
+    cal.add_argument("--negative-prompt", default="")
+    _image_args(cal)
+    _denoise_args(cal)
+    _lora_args(cal)
+    cal.add_argument("--out", type=Path, required=True, help="ratios JSON (for --magcache)")
 
     v = sub.add_parser("decode", parents=[common], help="latents -> mp4")
     _bundle_arg(v)
@@ -107,6 +158,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--jobs-dir", type=Path, default=Path("jobs"),
                    help="where jobs (SQLite) and videos live; survives restarts (default ./jobs)")
     s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait; more get 429 (default 16)")
+    _magcache_args(s)  # the server's default for every job
+    _lora_args(s)
     return p
 
 
@@ -130,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from .video import check_fps, check_video_path, write_videos
 
     primary = distributed.is_primary()
+    magcache = magcache_from_args(args) if hasattr(args, "magcache") else None  # a bad file fails first
     for out in (args.out, getattr(args, "frames_out", None)):
         if out is not None and primary:
             check_writable(out)
@@ -142,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             from .images import load_image
 
             setattr(args, name, load_image(getattr(args, name), "--" + name.replace("_", "-")))
-    pipe = load(args.bundle)
+    pipe = load(args.bundle, loras=loras_from_args(args))
     g = pipe.geometry
     log = logging.getLogger("runtime")
     progress = not args.quiet
@@ -150,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "generate":
             frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
                                    seed=args.seed, steps=args.steps, guidance=args.guidance,
-                                   guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress)
+                                   guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
+                                   magcache=magcache)
         else:
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
             frames = pipe.decode(latents)
@@ -178,10 +233,23 @@ def run(args: argparse.Namespace) -> int:
         if args.latents is not None:
             init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
         latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress,
-                               guidance_2=s.guidance_2)
+                               guidance_2=s.guidance_2, magcache=magcache)
         if primary:
-            im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, s.to_json())
+            meta = {**s.to_json(), **({"magcache": magcache.to_json()} if magcache else {})}
+            im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, meta)
             log.info("wrote %s", args.out)
+    elif args.command == "calibrate":
+        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2)
+        embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image)
+        ratios = pipe.calibrate(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=progress,
+                                guidance_2=s.guidance_2)
+        if primary:
+            from .files import atomic_path
+
+            record = {"mag_ratios": ratios, "bundle_id": pipe.bundle_id, "prompt": args.prompt, **s.to_json()}
+            with atomic_path(args.out) as tmp:
+                tmp.write_text(json.dumps(record, indent=1) + "\n")
+            log.info("wrote %s (%d ratios)", args.out, len(ratios))
     return 0
 
 
@@ -253,14 +321,21 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY), "
                         "or pass --insecure to serve without one")
     if not distributed.is_primary():  # processes 1..N-1 run process 0's jobs
-        pipe = load(args.bundle)
-        pipe.prepare()
+        pipe = load(args.bundle, loras=loras_from_args(args))
+        pipe.prepare(magcache=args.magcache is not None)
         return mh.follow(pipe)
     import jax
 
     multi = jax.process_count() > 1
-    settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size)
-    return run_server(settings, args.host, args.port, loader=lambda: load(args.bundle),
+    settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
+                        magcache=magcache_from_args(args))
+    loras = loras_from_args(args)
+    if loras:  # a bad adapter fails the command, before the server starts
+        from . import lora
+        from . import manifest as mf
+
+        lora.read_all(loras, mf.read(args.bundle))
+    return run_server(settings, args.host, args.port, loader=lambda: load(args.bundle, loras=loras),
                       broadcast=mh.send if multi else None,
                       on_exit=(lambda: mh.send({"stop": True})) if multi else None)
 

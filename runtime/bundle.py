@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import compat
+from . import compat, lora
 from . import manifest as mf
 from . import weights as wio
 from .distributed import put
@@ -71,6 +71,7 @@ class Bundle:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds per "weights <group>" / "compile <program>"
+    loras: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # group -> tensor -> runtime/lora.py Updates
 
     def _once(self, table: dict[str, Future], key: str, make: Callable[[], Any]) -> Any:
         """make() for `key`, computed once even when several threads ask at the same time (a failure is
@@ -179,7 +180,10 @@ class Bundle:
         def check(name: str, entry: wio.Entry | None) -> str | None:
             return entry_mismatch(entry, name, *expected[name], wf.file, "the program expects")
 
-        return self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check)
+        arrays = self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check)
+        if self.loras.get(group):
+            arrays = self._timed(f"lora {group}", lora.apply, arrays, self.loras[group])
+        return arrays
 
     def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:
         """(sharding, shape, dtype) of each tensor of a weight group, as `program` (the first to use it) takes it."""
@@ -260,7 +264,8 @@ def no_weights_message(path: Path) -> str:
             f"--attach-weights {path} --weights CHECKPOINT` first")
 
 
-def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False) -> Bundle:
+def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False,
+                loras: list[tuple[str | Path, float]] | None = None) -> Bundle:
     """Read and check `path`; programs and weights load lazily on first use.
 
     `on_host` places the weights on this host's CPU devices whatever the target platform: to read or
@@ -268,7 +273,8 @@ def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False) ->
 
     The programs and tokenizer are checked against their sha256 now; each weight file is checked
     as it is read, before its arrays are used (runtime/integrity.py: unchanged files that matched
-    before are not hashed again).
+    before are not hashed again). `loras` are adapters (path, scale) merged into the weights they change as
+    those are placed (runtime/lora.py); they are read and checked against the bundle now.
     """
     path = Path(path)
     manifest = mf.read(path)
@@ -276,6 +282,7 @@ def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False) ->
         log.warning("%s", warning)
     if not manifest.has_weights:
         raise BundleError(no_weights_message(path))
+    updates = lora.read_all(loras, manifest)  # a bad adapter fails before any file is hashed
     checker = None
     if verify:
         checker = Checker(path, manifest)
@@ -284,7 +291,7 @@ def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False) ->
         checker.check([ref for ref in manifest.files() if ref.file not in weight_files])
         checked = time.perf_counter() - t
     mesh = make_mesh(manifest.target, jax.devices("cpu") if on_host else None, any_platform=on_host)
-    bundle = Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker)
+    bundle = Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker, loras=updates)
     if verify:
         bundle.timings["check programs and tokenizer"] = checked
     return bundle

@@ -13,12 +13,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import conditioning, images, kinds, scheduler
+from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
 from .bundle import Bundle, open_bundle
 from .distributed import fetch, is_primary, put
 from .errors import UserError
 from .kinds import Kind
+from .magcache import MagCache
 from .settings import MAX_SEED, DenoiseSettings  # noqa: F401  (public names of this module)
 from .text import PromptTokenizer
 
@@ -42,11 +44,14 @@ class Pipeline:
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
 
-    def prepare(self) -> None:
+    def prepare(self, magcache: bool = True) -> None:
         """Place every weight and compile every program (and the noise sampler) now, so the first job
-        starts at once: what a server does before it reports ready."""
-        self.bundle.prefetch(list(self.manifest.programs))
-        for name in self.manifest.programs:
+        starts at once: what a server does before it reports ready. Without `magcache`, MagCache's step
+        programs are left out (a server whose jobs never use them)."""
+        names = [n for n in self.manifest.programs
+                 if magcache or (v := kinds.denoise_variant(n)) is None or not v.residual]
+        self.bundle.prefetch(names)
+        for name in names:
             self.bundle.call(name)
         self.initial_latents(0)
 
@@ -135,18 +140,62 @@ class Pipeline:
             out.append(value)
         return out
 
+    def step_programs(self, steps: int, timesteps: np.ndarray, s: DenoiseSettings,
+                      magcache: MagCache | None = None) -> list[str]:
+        """The denoise program each step runs: the step's expert; with `magcache`, its full ("_residual") or
+        cached ("_cached") step as MagCache's schedule says; else the cond-only program ("_cond") where the
+        step's guidance is <= 1 (the uncond half would be computed for nothing), else the CFG step. Bundles
+        exported before the variants existed have only the CFG step: it serves every step but MagCache."""
+        experts = [self.expert_of(int(t)) for t in timesteps[:steps]]
+        have = self.manifest.programs
+        if magcache is not None:
+            if kinds.denoise_program(0, "residual") not in have:
+                raise UserError("this bundle has no MagCache programs (it was exported by an older wan-aot): "
+                                "re-export it to use MagCache")
+            compute = magcache.schedule(experts)
+            return [kinds.denoise_program(e, "residual" if c else "cached") for e, c in zip(experts, compute)]
+        out = []
+        for e in experts:
+            cond_only = s.guidance_of(e) <= 1.0 and kinds.denoise_program(e, "cond") in have
+            out.append(kinds.denoise_program(e, "cond" if cond_only else "cfg"))
+        return out
+
     def denoise(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                 guidance: float | None = None, flow_shift: float | None = None,
                 latents: np.ndarray | None = None, progress: bool = True,
-                on_step: Callable[[int], None] | None = None, guidance_2: float | None = None) -> np.ndarray:
+                on_step: Callable[[int], None] | None = None, guidance_2: float | None = None,
+                magcache: MagCache | None = None) -> np.ndarray:
         """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s).
 
         `embeds` is what `encode` returns (prompt embeddings, and the image conditioning for image
         models). Two-expert models switch from `transformer` (with `guidance`) to `transformer_2` (with
-        `guidance_2`, default `guidance`) below the boundary timestep, as diffusers does.
+        `guidance_2`, default `guidance`) below the boundary timestep, as diffusers does. Steps whose
+        guidance is <= 1 run the DiT on the prompt alone. `magcache` skips the transformer blocks on the
+        steps its schedule says (runtime/magcache.py).
         `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
         """
+        return self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, on_step, guidance_2,
+                             magcache)
+
+    def calibrate(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
+                  guidance: float | None = None, flow_shift: float | None = None, latents: np.ndarray | None = None,
+                  progress: bool = True, guidance_2: float | None = None) -> list[float]:
+        """MagCache's ratios for this bundle and these settings, as diffusers' calibration mode computes them:
+        every step runs in full; step i's ratio is the mean over tokens of |residual_i| / |residual_i-1| on the
+        prompt (cond) half, 1.0 on each expert's first step."""
+        ratios: list[float] = []
+        everything = MagCache([1.0], threshold=0.0, max_skip_steps=0, retention_ratio=1.0)  # never skips
+        self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, None, guidance_2, everything,
+                      calibration=ratios)
+        return ratios
+
+    def _denoise(self, embeds: dict[str, np.ndarray], seed: int, steps: int | None, guidance: float | None,
+                 flow_shift: float | None, latents: np.ndarray | None, progress: bool,
+                 on_step: Callable[[int], None] | None, guidance_2: float | None, magcache: MagCache | None,
+                 calibration: list[float] | None = None) -> np.ndarray:
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
+        if magcache is not None and not isinstance(magcache, MagCache):
+            raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
         g = self.geometry
         for key in ("prompt_embeds", "negative_prompt_embeds"):
             if key not in embeds:
@@ -164,24 +213,42 @@ class Pipeline:
             raise UserError("initial latents contain NaN or inf")
 
         plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
+        programs = self.step_programs(s.steps, plan.timesteps, s, magcache)
         order = self.scheduler_config.solver_order
         state = np.zeros((scheduler.state_rows(order), *g.latent_shape), np.float32)
         state[0] = latents
-        context = np.concatenate([embeds["prompt_embeds"], embeds["negative_prompt_embeds"]]).astype(np.float32)
-        programs = [kinds.denoise_program(e) for e in range(self.kind.experts)]
-        shardings = self.bundle.input_shardings(programs[0])  # the experts' programs are one file
-        # Placed once, shared by the experts.
-        state_dev, context_dev = put(state, shardings[0]), put(context, shardings[1])
+        prompt = np.asarray(embeds["prompt_embeds"], np.float32)
+        contexts = {True: np.concatenate([prompt, embeds["negative_prompt_embeds"]]).astype(np.float32),
+                    False: prompt}
+        # The state, contexts and conditioning are placed once (as the first program that takes them wants
+        # them; the variants share the state's and conditioning's layout) and shared by the experts.
+        shardings = self.bundle.input_shardings(programs[0])
+        state_dev = put(state, shardings[0])
         extras_dev = [put(x, sh) for x, sh in zip(extras, shardings[5:])]
+        contexts_dev: dict[bool, Any] = {}
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
+        residual = norms = None
+        expert_before = -1
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress or not is_primary()):
+            name = programs[i]
+            variant = kinds.denoise_variant(name)
             e = self.expert_of(int(plan.timesteps[i]))
-            step = self.bundle.call(programs[e])
-            state_dev, finite = step(state_dev, context_dev, plan.timesteps[i], guidances[e], plan.coeffs[i],
-                                     *extras_dev)
+            if variant.cfg not in contexts_dev:
+                contexts_dev[variant.cfg] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
+            args = [state_dev, contexts_dev[variant.cfg], plan.timesteps[i], guidances[e], plan.coeffs[i], *extras_dev]
+            if variant.residual == "in":
+                args.append(residual)
+            outs = self.bundle.call(name)(*args)
+            state_dev, finite = outs[0], outs[1]
+            if variant.residual == "out":
+                residual = outs[2]
             if not bool(fetch(finite)):
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
                                 f"{s.steps}: check the weights, guidance ({guidances[e]}) and dtype")
+            if calibration is not None:
+                now = fetch(jnp.linalg.norm(residual[: g.batch].astype(jnp.float32), axis=-1))
+                calibration.append(magcache_rule.calibration_ratio(now, norms if e == expert_before else None))
+                norms, expert_before = now, e
             if on_step is not None:
                 on_step(i)
         out = fetch(state_dev)[0].astype(np.float32)
@@ -209,24 +276,30 @@ class Pipeline:
                  image: ImageInput | None = None, last_image: ImageInput | None = None, seed: int = 0,
                  steps: int | None = None, guidance: float | None = None, guidance_2: float | None = None,
                  flow_shift: float | None = None, latents: np.ndarray | None = None,
-                 progress: bool = True) -> np.ndarray:
+                 progress: bool = True, magcache: MagCache | None = None) -> np.ndarray:
         """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `latents` is the initial noise, as
-        diffusers' `latents` argument: (B, z, T, H/s, W/s)."""
-        self.settings(seed, steps, guidance, flow_shift, guidance_2)  # fail before encoding
-        # The stages before the first step start loading now, so the DiT's weights are read while the prompt is
-        # encoded. The VAE decoder loads when it is needed: in the background it would compete with the
-        # denoising steps for the cores (measured: step 1 done 4 s later on 2 cores).
+        diffusers' `latents` argument: (B, z, T, H/s, W/s). `magcache`: see `denoise`."""
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)  # fail before encoding
+        plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
+        denoising = set(self.step_programs(s.steps, plan.timesteps, s, magcache))
+        # The stages before the first step start loading now (only the denoise programs this run uses), so the
+        # DiT's weights are read while the prompt is encoded. The VAE decoder loads when it is needed: in the
+        # background it would compete with the denoising steps for the cores (measured: step 1 done 4 s later
+        # on 2 cores).
         self.bundle.prefetch([n for n in self.manifest.programs if not n.startswith("vae_decode")
-                              and (image is not None or not n.startswith("vae_encode"))])
+                              and (image is not None or not n.startswith("vae_encode"))
+                              and (kinds.denoise_variant(n) is None or n in denoising)])
         try:
             embeds = self.encode(prompt, negative_prompt, image, last_image)
-            out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2)
+            out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
+                               magcache=magcache)
             return self.decode(out)
         except BaseException:
             self.bundle.cancel_prefetch()
             raise
 
 
-def load(path: str | Path, verify: bool = True) -> Pipeline:
-    """Open the bundle at `path` (every file checked against the manifest's sha256)."""
-    return Pipeline(open_bundle(path, verify=verify))
+def load(path: str | Path, verify: bool = True, loras: list[tuple[str | Path, float]] | None = None) -> Pipeline:
+    """Open the bundle at `path` (every file checked against the manifest's sha256). `loras`: adapters made by
+    `python -m export --lora`, as (path, scale) pairs, merged into the DiT weights as they are placed."""
+    return Pipeline(open_bundle(path, verify=verify, loras=loras))

@@ -72,6 +72,7 @@ class Settings:
     api_key: str | None = None
     jobs_dir: Path = Path("jobs")
     queue_size: int = 16
+    magcache: Any = None  # runtime.MagCache every job runs with (recorded in the job's params), or None
 
 
 @dataclass
@@ -179,7 +180,8 @@ def parse_request(fields: dict[str, Any], images: dict[str, bytes], state: State
         check_image(name, data)
     return {"prompt": prompt, "negative_prompt": fields.get("negative_prompt") or "", "seed": p["seed"] or 0,
             "steps": p["num_inference_steps"], "guidance": p["guidance_scale"], "guidance_2": p["guidance_scale_2"],
-            "flow_shift": p["flow_shift"], "fps": fps, "seconds": f"{seconds:g}", "size": size}
+            "flow_shift": p["flow_shift"], "fps": fps, "seconds": f"{seconds:g}", "size": size,
+            "magcache": state.settings.magcache.to_json() if state.settings.magcache is not None else None}
 
 
 def check_image(name: str, data: bytes) -> None:
@@ -219,6 +221,7 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     """Generate one job's video (every process of a multi-host job runs this; only process 0 writes)."""
     from PIL import Image
 
+    from .magcache import MagCache
     from .video import write_video
 
     images = [Image.open(io.BytesIO(b)) for b in image_bytes]
@@ -233,8 +236,9 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         last[0] = now
         on_progress(min(99, int(100 * (i + 1) / steps)))
 
+    magcache = MagCache(**params["magcache"]) if params.get("magcache") else None
     latents = pipe.denoise(embeds, params["seed"], params["steps"], params["guidance"], params["flow_shift"],
-                           progress=False, on_step=step_done, guidance_2=params["guidance_2"])
+                           progress=False, on_step=step_done, guidance_2=params["guidance_2"], magcache=magcache)
     frames = pipe.decode(latents)
     if video is not None:
         write_video(frames[0], video, fps=params["fps"])
@@ -287,7 +291,9 @@ def load_and_compile(state: State, loader: Callable[[], Any]) -> None:
     try:
         t0 = time.perf_counter()
         pipe = loader()
-        pipe.prepare()
+        if state.settings.magcache is not None:  # every job would fail: refuse to become ready
+            pipe.step_programs(1, [0], pipe.settings(steps=1), state.settings.magcache)
+        pipe.prepare(magcache=state.settings.magcache is not None)
         state.pipe = pipe
         state.ready.set()
         log.info("ready: %s loaded and compiled in %.1f s", state.settings.bundle, time.perf_counter() - t0)

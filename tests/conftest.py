@@ -58,6 +58,16 @@ def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPath
     return out
 
 
+@pytest.fixture(scope="session")
+def cpu8_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-64x32-f9 exported for the cpu-8 target (dp=2, sp=2, tp=2; run with 8 fake CPU devices)."""
+    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
+    out = tmp_path_factory.mktemp("cpu8") / "bundle"
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(out), "-q")
+    return out
+
+
 # Wan 2.2 and image-to-video: one tiny checkpoint per model kind (export/tiny.py), exported fp32 with the CLI.
 # kind: (variant, resolution, frames, max sequence length); sizes are non-square in both orientations.
 KIND_CASES = {

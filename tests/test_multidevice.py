@@ -30,15 +30,6 @@ def _frames(path: Path) -> np.ndarray:
     return load_file(str(path))["frames"]
 
 
-@pytest.fixture(scope="module")
-def cpu8_bundle(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
-    out = tmp_path_factory.mktemp("cpu8") / "bundle"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(out), "-q")
-    return out
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,6 +63,30 @@ def test_same_frames_on_1_device_8_devices_and_2_processes(fp32_bundles, cpu8_bu
     assert np.abs(a - b).max() <= FP32_TOL
     assert np.abs(b - c).max() <= FP32_TOL
     assert (tmp_path / "two.mp4").is_file()
+
+
+def test_cond_and_magcache_programs_on_8_devices(fp32_bundles, cpu8_bundle: Path, tmp_path: Path) -> None:
+    """The cond-only program (batch 1 cannot split over dp=2: dp joins sp on the tokens) and MagCache's
+    full and cached steps (the residual stays sharded between steps) give 1 device's frames on 8."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    layout = json.loads((cpu8_bundle / "manifest.json").read_text())["programs"]
+    assert layout["denoise_step_cond"]["inputs"]["context"]["shape"][0] == 1
+    ratios = tmp_path / "ratios.json"
+    ratios.write_text(json.dumps([1.0] * 4))
+    runs = {"g1": ("--guidance", "1"), "mc": ("--magcache", str(ratios), "--magcache-retention", "0.25")}
+    out = {}
+    for name, flags in runs.items():
+        for n, bundle in ((1, fp32_bundles["tiny-64x32-f9"]), (8, cpu8_bundle)):
+            path = tmp_path / f"{name}-{n}.safetensors"
+            run_module("runtime", "generate", str(bundle), *GEN, *flags, "--out", str(tmp_path / f"{name}-{n}.mp4"),
+                       "--frames-out", str(path), env=_devices(n))
+            out[name, n] = load_file(str(path))["frames"]
+    for name in runs:
+        assert np.abs(out[name, 1] - out[name, 8]).max() <= FP32_TOL, name
+    assert np.abs(out["g1", 1] - out["mc", 1]).max() > 1e-3  # different settings, different frames
 
 
 def test_device_count_mismatch_is_refused(cpu8_bundle: Path, tmp_path: Path) -> None:

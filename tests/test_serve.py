@@ -311,3 +311,33 @@ def test_two_processes_serve_one_mesh(checkpoints, tmp_path: Path) -> None:
     finally:
         leader.stop(signal.SIGKILL)
         follower.stop(signal.SIGKILL)
+
+
+def test_server_defaults_magcache_and_lora_adapters(kind_bundles, kind_checkpoints, tmp_path: Path) -> None:
+    """`serve --magcache R --lora A` on a two-expert bundle: every job runs with them (the adapter on the second
+    expert), so a job's video is the CLI's with the same flags, and not the plain one."""
+    import json
+
+    from .test_lora import diffusers_lora
+
+    bundle = kind_bundles["t2v-moe"]
+    lora = diffusers_lora(kind_checkpoints["t2v-moe"], tmp_path / "lora", seed=8, subfolder="transformer_2")
+    adapter = tmp_path / "low.safetensors"
+    run_module("export", "--lora", str(lora), "--bundle", str(bundle), "--out", str(adapter), "--lora-into",
+               "transformer_2")
+    ratios = tmp_path / "ratios.json"
+    ratios.write_text(json.dumps([1.0] * 4))
+    flags = ("--magcache", str(ratios), "--magcache-retention", "0", "--lora", f"{adapter}:0.9")
+    videos = {}
+    for name, extra in (("cli", flags), ("plain", ())):
+        run_module("runtime", "generate", str(bundle), "--prompt", "a kite", "--steps", "4", *extra,
+                   "--out", str(tmp_path / f"{name}.mp4"))
+        videos[name] = _mp4_frames((tmp_path / f"{name}.mp4").read_bytes(), tmp_path).astype(np.int16)
+    with serving(bundle, tmp_path / "jobs", *flags) as server:
+        client = server.client(key="unused")
+        video = client.videos.create_and_poll(prompt="a kite", extra_body={"num_inference_steps": 4},
+                                              poll_interval_ms=50)
+        assert video.status == "completed", video.error
+        served = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).astype(np.int16)
+    assert np.abs(served - videos["cli"]).max() <= 1
+    assert np.abs(served - videos["plain"]).max() > 1
