@@ -20,6 +20,15 @@ os.environ["WAN_AOT_STAMP_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-stamps-"
 atexit.register(shutil.rmtree, os.environ["WAN_AOT_STAMP_DIR"], True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache() -> None:
+    """In-process loads share that cache too, as a server's restarts would: tests that start the same
+    bundle again (copies included) load its compiled programs instead of compiling them again."""
+    from runtime import cache
+
+    cache.enable(os.environ["WAN_AOT_CACHE_DIR"])
+
+
 def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python -m ...` from the repository root; returns the completed process."""
