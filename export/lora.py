@@ -56,7 +56,7 @@ def to_diffusers(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     keys, and its adapter metadata (LoraConfig fields, keys prefixed by the component; {} if the file has none)."""
     from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 
-    try:  # use_safetensors=True: diffusers never falls back to a pickle
+    try:  # use_safetensors=True: diffusers reads the .safetensors file only, no other format
         state, metadata = WanLoraLoaderMixin.lora_state_dict(str(path.parent), weight_name=path.name,
                                                              use_safetensors=True, local_files_only=True,
                                                              return_lora_metadata=True)
