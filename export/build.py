@@ -42,6 +42,7 @@ from runtime.manifest import (
 
 from . import denoise, image_encoder, sharding, text_encoder
 from . import vae as vae_stage
+from . import vae_decoder
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .source import Source
@@ -144,8 +145,8 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
     """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
 
     Only the DiT runs the TPU kernel (sharded over `mesh`); the encoders and VAE use XLA attention.
-    On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py) and bf16 matmuls accumulate in
-    fp32 (export/cpu_dots.py).
+    On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py; the decoder is replaced by
+    export/vae_decoder.py in `export_vae`) and bf16 matmuls accumulate in fp32 (export/cpu_dots.py).
     """
     cpu = platform == "cpu"
     if group not in ("transformer", "transformer_2"):
@@ -253,7 +254,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
             vae, ex = load_component(src, "vae", attention, platform=s.target.platform)
             add_weights("vae", ex.weights)
-            export_vae(vae, ex, kind, geo, s.target, add_program)
+            export_vae(vae, ex, kind, geo, s.target, add_program,
+                       dataclasses.replace(attention, kernel="xla"))
             del vae, ex
             gc.collect()
 
@@ -333,8 +335,12 @@ def export_denoise(src: Source, ex: Extracted, kind: Kind, geo: Geometry, target
                         {"context": layout.batch_spec, "residual": layout.hidden}, tuple(out_partition))
 
 
-def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any) -> None:
-    """The VAE's chunk programs: decode always, encode as the kind needs (one image, or a whole video)."""
+def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any,
+               attention: AttentionConfig) -> None:
+    """The VAE's chunk programs: decode always, encode as the kind needs (one image, or a whole video).
+
+    On CPU targets the decoder is export/vae_decoder.py's channels-last JAX version of the same module
+    (same weights, same cache slots); elsewhere, and for the encoder, the torchax trace."""
     directions = [("decode", geo.batch, geo.latent_height, geo.latent_width, geo.latent_frames)]
     if kind.vae_encode:  # images are encoded once per call (batch 1) and repeated over the batch on the host
         chunks = 1 if kind.vae_encode == "image" else geo.latent_frames
@@ -345,6 +351,9 @@ def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Targe
         cache_outputs = list(cache_inputs)
         result = "frames" if direction == "decode" else "latents"
         build = vae_stage.build_decode if direction == "decode" else vae_stage.build_encode
+        fn = ex.fn
+        if direction == "decode" and target.platform == "cpu":
+            fn = vae_decoder.build(vae, attention)
         arg = "latents" if direction == "decode" else "pixels"
         for which in (vae_stage.FIRST, vae_stage.NEXT)[: 1 if chunks == 1 else 2]:
             chunk = TensorSpec(vae_stage.chunk_shape(vae, direction, which, batch, height, width), "float32")
@@ -352,7 +361,7 @@ def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Targe
             # Activations split on width over all devices; results come back whole (host 0 writes the video).
             split = {k: sharding.width_split(c.shape, target.mesh) for k, c in {arg: chunk, **cache_inputs}.items()}
             out_split = (PartitionSpec(), [split[k] for k in cache_outputs])
-            add_program(f"vae_{direction}_{which}", "vae", build(vae, ex.fn, caches, first=which == vae_stage.FIRST),
+            add_program(f"vae_{direction}_{which}", "vae", build(vae, fn, caches, first=which == vae_stage.FIRST),
                         inputs, [result, *cache_outputs], split, out_split)
 
 

@@ -1,4 +1,4 @@
-"""3D convolutions as sums of 2D ones, for the VAE on CPU.
+"""3D convolutions as sums of 2D ones, for the traced VAE encoder on CPU.
 
 XLA's CPU backend runs a 3D convolution several times slower than the same work as 2D
 convolutions (measured on the Wan VAE's 3x3x3 layers: 0.38 s vs 0.12 s; torch 0.05 s), so on
