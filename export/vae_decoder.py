@@ -40,12 +40,13 @@ class _Slots:
     def first(self) -> bool:
         return self.old is None
 
-    def take(self, x: jax.Array) -> jax.Array:
-        """The cache for a call on `x` (previous chunk's frames, or zeros), recording x's as the next."""
+    def take(self, x: jax.Array) -> jax.Array | None:
+        """The cache for a call on `x` (the previous chunk's frames; None in the first chunk, where it is
+        zeros), recording x's as the next."""
         i = len(self.new)
         prev = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype) if self.old is None else self.old[i]
         self.new.append(jnp.concatenate([prev, x], axis=1)[:, -CACHE_T:])
-        return prev
+        return None if self.old is None else prev
 
     def skip(self, x: jax.Array) -> None:
         """An upsampler's first chunk: its slot is zeros ("Rep") and its time convolution does not run."""
@@ -171,12 +172,14 @@ def build(vae: Any, config: AttentionConfig) -> Callable[..., tuple[jax.Array, l
         out = x / jnp.maximum(norm, 1e-12) * (m.scale * w[p + ".gamma"].reshape(-1))
         return out + w[p + ".bias"].reshape(-1) if p + ".bias" in w else out
 
-    def causal_conv(x: jax.Array, w: dict, p: str, m: Any, cache: jax.Array) -> jax.Array:
+    def causal_conv(x: jax.Array, w: dict, p: str, m: Any, cache: jax.Array | None) -> jax.Array:
         if not isinstance(m, WanCausalConv3d) or m.stride != (1, 1, 1) or m.dilation != (1, 1, 1) or m.groups != 1:
             raise NotImplementedError(f"VAE decoder convolution {p}: {m!r}")
         pw, _, ph, _, front, _ = m._padding
         if front not in (0, CACHE_T):
             raise NotImplementedError(f"VAE decoder convolution {p}: causal padding {front}")
+        if front and cache is None:  # first chunk: zero frames in front, whose taps are skipped
+            return conv3d(x, w[p + ".weight"], w[p + ".bias"], (ph, pw), zeros_in_front=front)
         if front:  # the cache stands in for the causal zero frames (diffusers: padding[4] -= cache frames)
             x = jnp.concatenate([cache, x], axis=1)
         return conv3d(x, w[p + ".weight"], w[p + ".bias"], (ph, pw))
@@ -184,21 +187,34 @@ def build(vae: Any, config: AttentionConfig) -> Callable[..., tuple[jax.Array, l
     return fn
 
 
-def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, pad_hw: tuple[int, int]) -> jax.Array:
+def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, pad_hw: tuple[int, int], zeros_in_front: int = 0
+           ) -> jax.Array:
     """A 3D convolution, valid in time and zero-padded by `pad_hw` in space, on (B, T, H, W, C) with a torch
     (O, C, kt, kh, kw) kernel: kt channels-last 2D convolutions over frames folded into the batch, summed
-    (XLA's CPU backend runs 3D convolutions several times slower than the same 2D work)."""
+    (XLA's CPU backend runs 3D convolutions several times slower than the same 2D work).
+
+    `zeros_in_front`: x is preceded by that many zero frames (a first chunk's causal padding). They are not
+    materialised: a tap's 2D convolution runs only on the frames it sees that are not zeros (exact: a zero
+    frame adds nothing), so a one-frame first chunk costs one tap instead of kt.
+    """
     kt, kh, kw = w.shape[2:]
     if kt == kh == kw == 1:
         return _pointwise(x, w, b)
     n, t = x.shape[:2]
-    t_out = t - kt + 1
+    t_out = t + zeros_in_front - kt + 1
     out = None
     for k in range(kt):
-        frames = x[:, k:k + t_out].reshape(n * t_out, *x.shape[2:])
+        skip = max(zeros_in_front - k, 0)  # leading outputs for which this tap sees only zero frames
+        if skip >= t_out:
+            continue
+        start = k - zeros_in_front + skip  # first real frame this tap reads
+        frames = x[:, start:start + t_out - skip].reshape(n * (t_out - skip), *x.shape[2:])
         y = _conv2d(frames, w[:, :, k], pad_hw)
+        y = y.reshape(n, t_out - skip, *y.shape[1:])
+        if skip:
+            y = jnp.pad(y, ((0, 0), (skip, 0), (0, 0), (0, 0), (0, 0)))
         out = y if out is None else out + y
-    return (out + b).reshape(n, t_out, *out.shape[1:])
+    return out + b
 
 
 def _conv2d(x: jax.Array, w: jax.Array, pad_hw: tuple[int, int]) -> jax.Array:

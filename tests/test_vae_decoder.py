@@ -64,3 +64,22 @@ def test_decoder_matches_diffusers_chunk_by_chunk(name: str, batch: int, size: t
                 b = np.asarray(b)  # unclamped activations of O(1): within 2e-4 of their scale (fp32 sum order)
                 np.testing.assert_allclose(np.asarray(a), b, atol=2e-4 * max(1.0, float(np.abs(b).max())), rtol=0)
             caches = vae_stage._slots(tuple(new), specs)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 4])
+def test_conv3d_with_implicit_zero_frames_matches_torch(frames: int) -> None:
+    """A first chunk's causal zero frames, skipped rather than convolved, give torch's padded conv3d."""
+    import torch
+
+    from export.vae_decoder import conv3d
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, frames, 5, 6, 3)).astype(np.float32)  # (B, T, H, W, C)
+    w = rng.standard_normal((4, 3, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    want = torch.nn.functional.conv3d(torch.nn.functional.pad(torch.from_numpy(x).permute(0, 4, 1, 2, 3),
+                                                              (1, 1, 1, 1, 2, 0)), torch.from_numpy(w),
+                                      torch.from_numpy(b)).permute(0, 2, 3, 4, 1).numpy()
+    got = np.asarray(conv3d(x, w, b, (1, 1), zeros_in_front=2))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
