@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .attention import AttentionConfig, attention
+from .vae import n_caches
 
 CACHE_T = 2  # frames each causal convolution keeps (diffusers' CACHE_T)
 
@@ -70,7 +71,7 @@ def build(vae: Any, config: AttentionConfig) -> Callable[..., tuple[jax.Array, l
 
     dec = vae.decoder
     patch = vae.config.patch_size
-    n_slots = sum(isinstance(m, WanCausalConv3d) for m in dec.modules())
+    n_slots = n_caches(dec)
     if type(dec.nonlinearity).__name__ != "SiLU":
         raise NotImplementedError(f"VAE decoder non-linearity {dec.nonlinearity!r}: only SiLU is written here")
 
