@@ -40,7 +40,7 @@ from runtime.manifest import (
     sha256_file,
 )
 
-from . import denoise, image_encoder, sharding, text_encoder
+from . import cross_kv, denoise, image_encoder, sharding, text_encoder
 from . import vae as vae_stage
 from . import vae_decoder
 from . import weights as weight_writer
@@ -236,19 +236,23 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                 del module, ex
             gc.collect()
 
-            extras = denoise_inputs(kind, geo, image_tokens)
             for e, group in enumerate(kind.expert_groups):
                 module, ex = load_component(src, group, attention, mesh, platform=s.target.platform)
                 add_weights(group, ex.weights)
                 if e == 0:
-                    export_denoise(src, ex, kind, geo, s.target, order, model_dtype, extras, add_program, programs)
+                    add_program(kinds.cross_kv_program(0), group,
+                                cross_kv.build(ex, model_dtype, image=kind.image_encoder),
+                                kv_inputs(kind, geo, image_tokens), ["kv"])
+                    export_denoise(src, ex, kind, geo, s.target, order, model_dtype, conditioning_inputs(kind, geo),
+                                   add_program, programs)
                 else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
                         raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
-                    for v in kinds.DENOISE_VARIANTS:
-                        programs[kinds.denoise_program(e, v)] = dataclasses.replace(
-                            programs[kinds.denoise_program(0, v)], weights=group)
+                    names = [(kinds.cross_kv_program(e), kinds.cross_kv_program(0))]
+                    names += [(kinds.denoise_program(e, v), kinds.denoise_program(0, v)) for v in kinds.DENOISE_VARIANTS]
+                    for name, like in names:
+                        programs[name] = dataclasses.replace(programs[like], weights=group)
                 del module, ex
             gc.collect()
 
@@ -290,34 +294,44 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         raise
 
 
-def denoise_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None) -> dict[str, TensorSpec]:
-    """The denoise programs' conditioning inputs (kind.denoise_extras) and their shapes. `image_tokens` is the
-    CLIP stage's output shape (n_images, tokens, dim); the DiT takes diffusers' layout, the images of each
-    video in turn (B x n_images, tokens, dim), and FLF2V's embedder pairs them up itself."""
+def conditioning_inputs(kind: Kind, geo: Geometry) -> dict[str, TensorSpec]:
+    """The denoise programs' image conditioning inputs (kind.conditioning_inputs) and their shapes."""
     b, z, t, h, w = geo.latent_shape
     shapes = {
         # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents
         "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning == "concat" else (b, z, 1, h, w),
         "mask": (1, 1, t, h, w),
-        "image_embeds": (b * image_tokens[0], *image_tokens[1:]) if image_tokens else (),
     }
-    return {name: TensorSpec(shapes[name], "float32") for name in kind.denoise_extras}
+    return {name: TensorSpec(shapes[name], "float32") for name in kind.conditioning_inputs}
+
+
+def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None) -> dict[str, TensorSpec]:
+    """The cross_kv programs' inputs (kind.kv_inputs): the prompt's then the negative prompt's embeddings, and
+    for CLIP kinds the image embeddings. `image_tokens` is the CLIP stage's output shape (n_images, tokens, dim);
+    the DiT takes diffusers' layout, the images of each video in turn (B x n_images, tokens, dim), and FLF2V's
+    embedder pairs them up itself."""
+    shapes = {"context": (2 * geo.batch, geo.max_sequence_length, geo.text_dim),
+              "image_embeds": (geo.batch * image_tokens[0], *image_tokens[1:]) if image_tokens else ()}
+    return {name: TensorSpec(shapes[name], "float32") for name in kind.kv_inputs}
 
 
 def export_denoise(src: Source, ex: Extracted, kind: Kind, geo: Geometry, target: Target, order: int,
                    model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any,
                    programs: dict[str, ProgramSpec]) -> None:
     """The first expert's denoise programs, one per variant (kinds.DENOISE_VARIANTS), each traced with the DiT
-    layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one."""
+    layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one. All take the
+    cross_kv program's keys and values (exported before them), replicated: the cross-attention layout wants
+    them whole on every device (export/attention.py)."""
     patch = tuple(src.transformer_config["patch_size"][1:])
-    L, D = geo.max_sequence_length, geo.text_dim
+    L = geo.max_sequence_length
+    kv = programs[kinds.cross_kv_program(0)].outputs["kv"]
     tokens = dit_shape(src, geo).tokens
     for v in kinds.DENOISE_VARIANTS.values():
         batch = (2 if v.cfg else 1) * geo.batch
         layout = sharding.dit_layout(target.mesh, batch, tokens)
         inputs = {
             "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
-            "context": TensorSpec((batch, L, D), "float32"),
+            "kv": kv,
             "timestep": TensorSpec((), "int32"),
             "guidance": TensorSpec((), "float32"),
             "row": TensorSpec((sched.row_size(order),), "float32"),
@@ -331,8 +345,8 @@ def export_denoise(src: Source, ex: Extracted, kind: Kind, geo: Geometry, target
             out_partition.append(layout.hidden)
         with sharding.use_layout(layout):
             add_program(kinds.denoise_program(0, v.name), "transformer",
-                        denoise.build(ex, order, model_dtype, kind, patch, v), inputs, outputs,
-                        {"context": layout.batch_spec, "residual": layout.hidden}, tuple(out_partition))
+                        denoise.build(ex, order, model_dtype, kind, L, patch, v), inputs, outputs,
+                        {"residual": layout.hidden}, tuple(out_partition))
 
 
 def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any,

@@ -6,7 +6,9 @@ for steps without guidance; `_residual` and `_cached` are MagCache's full and ca
 The scheduler is expressed as a coefficient row per step (runtime/scheduler.py), so
 this one program serves any number of steps and any flow shift; the guidance scale
 is an input too. A two-expert model runs this same program with the second
-expert's weights (`denoise_step_2`); the host picks the expert per step.
+expert's weights (`denoise_step_2`); the host picks the expert per step. The
+cross-attention keys and values of the prompt come in computed once per prompt
+(export/cross_kv.py), not projected again in every block at every step.
 
 What the DiT sees depends on the model kind's conditioning (runtime/kinds.py):
 "concat" appends the mask and image latents on the channel axis; "first_frame"
@@ -23,33 +25,34 @@ import jax.numpy as jnp
 
 from runtime.kinds import DENOISE_VARIANTS, DenoiseVariant, Kind
 
-from . import block_cache
+from . import block_cache, cross_kv
 from .trace import Extracted
 
 
-def build(ex: Extracted, order: int, dtype: Any, kind: Kind, patch: tuple[int, int] = (2, 2),
+def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, patch: tuple[int, int] = (2, 2),
           variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
-    """fn(weights, state, context, timestep, guidance, row, *extras[, residual]) -> (new state, all-finite
+    """fn(weights, state, kv, timestep, guidance, row, *extras[, residual]) -> (new state, all-finite
     flag[, residual]).
 
     state (order+2, B, C, T, H, W) float32, see runtime/scheduler.py for the layout;
-    context float32: (2B, L, D), prompt embeddings then negative prompt embeddings, for a `variant.cfg`
-    program; (B, L, D), prompt embeddings only, for one without (which ignores `guidance`);
+    kv in the model dtype (layers, 2, 2B, S, inner): the cross-attention keys and values of the prompt then
+    the negative prompt (export/cross_kv.py, S = image tokens + `text_tokens`); a `variant.cfg` program uses
+    all 2B, one without the first B (and ignores `guidance`);
     timestep int32 scalar; guidance float32 scalar; row float32 coefficients;
-    extras, named by kind.denoise_extras: condition float32 ((B, 4 + z, T, H, W) for "concat",
+    extras, named by kind.conditioning_inputs: condition float32 ((B, 4 + z, T, H, W) for "concat",
     (B, z, 1, H, W) for "first_frame"), mask float32 (1, 1, T, H, W) (1 where the latents are
-    denoised, 0 where the image stands), image_embeds float32 (B x images, tokens, D_img);
+    denoised, 0 where the image stands);
     residual (2B, S, dim) in the model dtype: the transformer blocks' output minus input, returned by a
     "residual" variant and taken (instead of running the blocks) by a "cached" one (export/block_cache.py).
     """
     copies = 2 if variant.cfg else 1
 
-    def step(weights: dict[str, Any], state: jax.Array, context: jax.Array, timestep: jax.Array,
+    def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array,
              guidance: jax.Array, row: jax.Array, *extras: jax.Array) -> tuple[jax.Array, ...]:
         residual = None
         if variant.residual == "in":
             *extras, residual = extras
-        named = dict(zip(kind.denoise_extras, extras, strict=True))
+        named = dict(zip(kind.conditioning_inputs, extras, strict=True))
         x, xprev, hist = state[0], state[1], state[2:]
         b = x.shape[0]
         if kind.conditioning == "concat":  # as diffusers: cat([latents, condition], dim=1).to(dtype)
@@ -64,19 +67,23 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, patch: tuple[int, i
             model_x = x
             t = jnp.full((copies * b,), timestep, jnp.int32)
         model_in = jnp.concatenate([model_x] * copies).astype(dtype)
+        n = copies * b
+        kv = kv[:, :, :n].astype(dtype)
+        # The text (and image) inputs are placeholders: the blocks take their keys and values from kv.
         kwargs: dict[str, Any] = {"return_dict": False}
-        if "image_embeds" in named:  # the same image for cond and uncond
-            kwargs["encoder_hidden_states_image"] = jnp.concatenate([named["image_embeds"]] * copies).astype(dtype)
-        args = (model_in, t, context.astype(dtype))
-        if variant.residual == "out":
-            with block_cache.capture(ex.module) as box:
+        if kind.image_encoder:
+            kwargs["encoder_hidden_states_image"] = jnp.zeros((n, 0, 0), dtype)
+        args = (model_in, t, jnp.zeros((n, text_tokens, 0), dtype))
+        with cross_kv.precomputed(ex.module, ex.env, kv, text_tokens):
+            if variant.residual == "out":
+                with block_cache.capture(ex.module) as box:
+                    out = ex.fn(weights, args, kwargs)[0]
+                residual = ex.env.t2j_iso(box["out"]) - ex.env.t2j_iso(box["in"])
+            elif variant.residual == "in":
+                with block_cache.skip(ex.module, ex.env.j2t_iso(residual.astype(dtype))):
+                    out = ex.fn(weights, args, kwargs)[0]
+            else:
                 out = ex.fn(weights, args, kwargs)[0]
-            residual = ex.env.t2j_iso(box["out"]) - ex.env.t2j_iso(box["in"])
-        elif variant.residual == "in":
-            with block_cache.skip(ex.module, ex.env.j2t_iso(residual.astype(dtype))):
-                out = ex.fn(weights, args, kwargs)[0]
-        else:
-            out = ex.fn(weights, args, kwargs)[0]
         if variant.cfg:
             cond, uncond = out[:b], out[b:]
             # As diffusers: uncond + g * (cond - uncond) in the model dtype, only when g > 1.

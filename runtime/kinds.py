@@ -51,14 +51,25 @@ class Kind:
         return ("transformer", "transformer_2")[: self.experts]
 
     @property
+    def conditioning_inputs(self) -> tuple[str, ...]:
+        """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
+        return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask")}[self.conditioning]
+
+    @property
+    def kv_inputs(self) -> tuple[str, ...]:
+        """Inputs of the cross_kv programs, in order (the CLIP image embeddings go to cross-attention)."""
+        return ("context",) + (("image_embeds",) if self.image_encoder else ())
+
+    @property
     def denoise_extras(self) -> tuple[str, ...]:
-        """Inputs of the denoise programs after (state, context, timestep, guidance, row), in order."""
-        extra = {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask")}[self.conditioning]
-        return extra + (("image_embeds",) if self.image_encoder else ())
+        """Inputs after (state, context, timestep, guidance, row) of the denoise programs of bundles exported
+        before the cross_kv programs existed, whose steps took the text (and CLIP image) embeddings."""
+        return self.conditioning_inputs + (("image_embeds",) if self.image_encoder else ())
 
     def stages(self, latent_frames: int) -> tuple[str, ...]:
         """The programs a bundle of this kind holds, in the order they run (bundles exported before the
-        denoise variants other than "cfg" existed hold only that one; the runtime falls back to it)."""
+        denoise variants other than "cfg" existed hold only that one, and the runtime falls back to it; those
+        exported before the cross_kv programs existed have none, and their steps take the embeddings)."""
         out = ["text_encoder"]
         if self.image_encoder:
             out.append("image_encoder")
@@ -66,6 +77,7 @@ class Kind:
             out.append("vae_encode_first")
             if self.vae_encode == "video" and latent_frames > 1:
                 out.append("vae_encode_next")
+        out += [cross_kv_program(e) for e in range(self.experts)]
         out += [denoise_program(e, v) for e in range(self.experts) for v in DENOISE_VARIANTS]
         out.append("vae_decode_first")
         if latent_frames > 1:
@@ -124,6 +136,12 @@ def denoise_program(expert: int, variant: str = "cfg") -> str:
     weights); the suffix names the variant (DENOISE_VARIANTS), none for the CFG step every bundle has."""
     base = "denoise_step" if expert == 0 else f"denoise_step_{expert + 1}"
     return base + DENOISE_VARIANTS[variant].suffix
+
+
+def cross_kv_program(expert: int) -> str:
+    """The program computing expert `expert`'s cross-attention keys and values of a prompt (export/cross_kv.py):
+    `cross_kv`, `cross_kv_2` (the same program file, the second expert's weights)."""
+    return "cross_kv" if expert == 0 else f"cross_kv_{expert + 1}"
 
 
 def denoise_variant(name: str) -> DenoiseVariant | None:

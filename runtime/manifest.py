@@ -31,7 +31,9 @@ from .errors import BundleError
 #   2: target.device_kind, per-tensor partition specs, weights attached later (file/sha256 may be null).
 #   3: model kinds (runtime/kinds.py): kind, boundary_ratio, image_processor; programs may share a file
 #      (the second expert's denoise_step_2); geometry.latent_channels is the VAE's z_dim.
-SCHEMA_VERSION = 3
+#   4: cross_kv programs (cross-attention keys and values once per prompt); the denoise programs take their
+#      `kv` instead of `context` (and CLIP kinds' `image_embeds`).
+SCHEMA_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 
 
@@ -52,7 +54,15 @@ def _from_v2(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-MIGRATIONS = {1: _from_v1, 2: _from_v2}  # version -> function taking that version's JSON to the next version's
+def _from_v3(d: dict[str, Any]) -> dict[str, Any]:
+    """v3 bundles have no cross_kv programs; their denoise programs, which take the embeddings, run as they are
+    (the runtime tells them apart by the programs they hold: runtime/signatures.py, Pipeline.precomputes_kv)."""
+    d = copy.deepcopy(d)
+    d["schema_version"] = 4
+    return d
+
+
+MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3}  # version -> function taking that version's JSON to the next version's
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class Pipeline:
         return out
 
     def encode_images(self, image: ImageInput, last_image: ImageInput | None = None) -> dict[str, np.ndarray]:
-        """The image conditioning the denoise programs take (the names of kind.denoise_extras), float32:
+        """The image conditioning the denoise and cross_kv programs take (kind.denoise_extras), float32:
         `image_embeds` (B x images, tokens, D) from CLIP's penultimate layer; `condition` (VAE latents of
         the image(s), with the frame mask in front for "concat" kinds); `mask` (1, 1, T, h, w) for
         "first_frame" kinds."""
@@ -122,12 +122,21 @@ class Pipeline:
         """0 (`transformer`, high noise) where t >= boundary_ratio x num_train_timesteps, else 1 (`transformer_2`)."""
         return st.expert_of(timestep, self.kind, self.manifest.boundary_ratio, self.scheduler_config)
 
-    def _conditioning(self, embeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """The denoise programs' extra inputs, from `embeds`; text mode of a "first_frame" kind without one."""
-        specs = self.manifest.programs[kinds.denoise_program(0)].inputs
+    def precomputes_kv(self) -> bool:
+        """Whether this bundle's steps take cross-attention keys and values from its cross_kv programs (every
+        bundle exported since they exist) rather than the embeddings (older bundles)."""
+        return kinds.cross_kv_program(0) in self.manifest.programs
+
+    def _conditioning(self, embeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The image inputs of the denoise (and cross_kv) programs, by name (kind.denoise_extras), from `embeds`;
+        text mode of a "first_frame" kind without one."""
+        programs = self.manifest.programs
+        specs = dict(programs[kinds.denoise_program(0)].inputs)
+        if self.precomputes_kv():
+            specs.update(programs[kinds.cross_kv_program(0)].inputs)
         if self.kind.conditioning == "first_frame" and "condition" not in embeds:  # TI2V as text-to-video
             embeds = {**embeds, **conditioning.text_mode(self.kind, {k: v.shape for k, v in specs.items()})}
-        out = []
+        out = {}
         for name in self.kind.denoise_extras:
             if name not in embeds:
                 raise UserError(f"this bundle is {self.kind.title}: the embeddings have no {name!r}; encode with "
@@ -137,7 +146,7 @@ class Pipeline:
                 raise UserError(f"{name} has shape {list(value.shape)}, this bundle needs {list(specs[name].shape)}")
             if not np.isfinite(value).all():
                 raise UserError(f"{name} contains NaN or inf")
-            out.append(value)
+            out[name] = value
         return out
 
     def step_programs(self, steps: int, timesteps: np.ndarray, s: DenoiseSettings,
@@ -220,12 +229,14 @@ class Pipeline:
         prompt = np.asarray(embeds["prompt_embeds"], np.float32)
         contexts = {True: np.concatenate([prompt, embeds["negative_prompt_embeds"]]).astype(np.float32),
                     False: prompt}
-        # The state, contexts and conditioning are placed once (as the first program that takes them wants
+        with_kv = self.precomputes_kv()
+        step_extras = self.kind.conditioning_inputs if with_kv else self.kind.denoise_extras
+        # The state, text inputs and conditioning are placed once (as the first program that takes them wants
         # them; the variants share the state's and conditioning's layout) and shared by the experts.
         shardings = self.bundle.input_shardings(programs[0])
         state_dev = put(state, shardings[0])
-        extras_dev = [put(x, sh) for x, sh in zip(extras, shardings[5:])]
-        contexts_dev: dict[bool, Any] = {}
+        extras_dev = [put(extras[n], sh) for n, sh in zip(step_extras, shardings[5:])]
+        contexts_dev: dict[Any, Any] = {}  # context by cfg (older bundles), or keys and values by expert
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         residual = norms = None
         expert_before = -1
@@ -233,9 +244,14 @@ class Pipeline:
             name = programs[i]
             variant = kinds.denoise_variant(name)
             e = self.expert_of(int(plan.timesteps[i]))
-            if variant.cfg not in contexts_dev:
-                contexts_dev[variant.cfg] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
-            args = [state_dev, contexts_dev[variant.cfg], plan.timesteps[i], guidances[e], plan.coeffs[i], *extras_dev]
+            text = ("kv", e) if with_kv else variant.cfg
+            if text not in contexts_dev:
+                if with_kv:  # once per prompt and expert: every step's cross-attention keys and values
+                    kv_inputs = [contexts[True], *[extras[n] for n in self.kind.kv_inputs[1:]]]
+                    contexts_dev[text] = self.bundle.call(kinds.cross_kv_program(e))(*kv_inputs)
+                else:
+                    contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
+            args = [state_dev, contexts_dev[text], plan.timesteps[i], guidances[e], plan.coeffs[i], *extras_dev]
             if variant.residual == "in":
                 args.append(residual)
             outs = self.bundle.call(name)(*args)
@@ -252,7 +268,7 @@ class Pipeline:
             if on_step is not None:
                 on_step(i)
         out = fetch(state_dev)[0].astype(np.float32)
-        return conditioning.restore_first_frame(self.kind, dict(zip(self.kind.denoise_extras, extras)), out)
+        return conditioning.restore_first_frame(self.kind, extras, out)
 
     # -- decode -------------------------------------------------------------
     def decode(self, latents: np.ndarray) -> np.ndarray:

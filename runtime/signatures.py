@@ -14,7 +14,9 @@ from . import manifest as mf
 from .errors import BundleError
 from .kinds import Kind
 
-DENOISE_INPUTS = ("state", "context", "timestep", "guidance", "row")  # then kind.denoise_extras
+DENOISE_INPUTS = ("state", "kv", "timestep", "guidance", "row")  # then kind.conditioning_inputs
+# Bundles exported before the cross_kv programs: the step took the embeddings, then kind.denoise_extras.
+DENOISE_INPUTS_WITH_CONTEXT = ("state", "context", "timestep", "guidance", "row")
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,13 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
         order = CallOrder(("ids", "mask"), ("embeds",))
     elif name == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))
+    elif name in (kinds.cross_kv_program(0), kinds.cross_kv_program(1)):
+        order = CallOrder(kind.kv_inputs, ("kv",))
     elif (variant := kinds.denoise_variant(name)) is not None:
-        order = CallOrder(DENOISE_INPUTS + kind.denoise_extras + (("residual",) if variant.residual == "in" else ()),
+        head = DENOISE_INPUTS + kind.conditioning_inputs
+        if "context" in spec.inputs:
+            head = DENOISE_INPUTS_WITH_CONTEXT + kind.denoise_extras
+        order = CallOrder(head + (("residual",) if variant.residual == "in" else ()),
                           ("state", "finite") + (("residual",) if variant.residual == "out" else ()))
     elif name.startswith("vae_encode_"):
         order = CallOrder(("pixels", *caches_in), ("latents", *caches_out))

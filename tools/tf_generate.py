@@ -15,9 +15,11 @@ What a client does (the signatures and their inputs are listed in DIR/wan-aot.js
   2. with --image: `image_encoder(pixels)` (CLIP kinds) and `vae_encode_first` / `vae_encode_next`
      -> the denoise step's `condition` (+ `image_embeds`, `mask`), as runtime/conditioning.py builds them
   3. `initial_latents(seed)` -> noise (or --latents)
-  4. per step i: `denoise_step(state, context, timestep, guidance, row)` with the scheduler's row i
-     (two-expert models: `denoise_step_2` below the boundary timestep)
-  5. `vae_decode_first(latents[:, :, :1])`, then `vae_decode_next(latents[:, :, t:t+1], caches...)`
+  4. once per prompt: `cross_kv(context[, image_embeds])` -> kv, the cross-attention keys and values
+     (two-expert models: `cross_kv_2` too, for the second expert)
+  5. per step i: `denoise_step(state, kv, timestep, guidance, row)` with the scheduler's row i
+     (two-expert models: `denoise_step_2` and its kv below the boundary timestep)
+  6. `vae_decode_first(latents[:, :, :1])`, then `vae_decode_next(latents[:, :, t:t+1], caches...)`
 """
 
 from __future__ import annotations
@@ -122,10 +124,13 @@ class SavedModelPipeline:
         plan = scheduler.plan(s.steps, s.flow_shift, self.config)
         state = np.zeros((scheduler.state_rows(self.config.solver_order), *latents.shape), np.float32)
         state[0] = latents
+        kv: dict[int, np.ndarray] = {}  # per expert, computed once (SavedModels of older bundles take context)
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress):
             t = int(plan.timesteps[i])
             e = st.expert_of(t, self.kind, self.info["boundary_ratio"], self.config)
-            out = self.run(kinds.denoise_program(e), state=state, context=context, timestep=t,
+            if e not in kv and kinds.cross_kv_program(e) in self.info["signatures"]:
+                kv[e] = self.run(kinds.cross_kv_program(e), context=context, **extras)["kv"]
+            out = self.run(kinds.denoise_program(e), state=state, context=context, kv=kv.get(e), timestep=t,
                            guidance=s.guidance_of(e), row=plan.coeffs[i], **extras)
             if not bool(out["finite"]):
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
