@@ -150,3 +150,36 @@ def test_bf16_tracks_diffusers_bf16(kind: str, kind_checkpoints, tmp_path: Path)
     bound = max(1e-2, 3 * noise)
     assert np.abs(ours - ref_fp32).mean() <= bound
     assert np.abs(ours - ref_bf16).mean() <= bound
+
+
+def _used_weights(bundle: Path, name: str) -> set[str]:
+    """The weights program `name` reads (jax.export drops unused arguments: module_kept_var_idx)."""
+    import jax
+
+    from runtime import manifest as mf
+    from runtime.bundle import load_program
+
+    exp = load_program(bundle, mf.read(bundle), name)
+    (weights, *_), _ = jax.tree.unflatten(exp.in_tree, list(range(len(exp.in_avals))))
+    kept = set(exp.module_kept_var_idx)
+    return {k for k, i in weights.items() if i in kept}
+
+
+def test_steps_take_the_prompts_keys_and_values_instead_of_projecting_them(kind_bundles) -> None:
+    """The text (and CLIP image) projections of cross-attention run once per prompt, in cross_kv; no denoise
+    variant reads their weights, and the prompt's K/V reach the steps as `kv` (frames: test_matches_diffusers)."""
+    import re
+
+    projections = re.compile(r"(blocks\.\d+\.attn2\.(to_k|to_v|norm_k|add_k_proj|add_v_proj|norm_added_k)"
+                             r"|condition_embedder\.(text|image)_embedder)\.")
+    bundle = kind_bundles["i2v"]
+    kv_reads = _used_weights(bundle, "cross_kv")
+    assert {"blocks.0.attn2.to_k.weight", "blocks.0.attn2.add_k_proj.weight",
+            "condition_embedder.text_embedder.linear_1.weight"} <= kv_reads
+    assert all(projections.match(k) for k in kv_reads), sorted(k for k in kv_reads if not projections.match(k))
+    pipe = runtime.load(bundle)
+    for name in ("denoise_step", "denoise_step_cond", "denoise_step_residual"):
+        step_reads = _used_weights(bundle, name)
+        assert "blocks.0.attn2.to_q.weight" in step_reads
+        assert not {k for k in step_reads if projections.match(k)}, name
+        assert "kv" in pipe.manifest.programs[name].inputs and "context" not in pipe.manifest.programs[name].inputs
