@@ -73,7 +73,8 @@ def test_cond_and_magcache_programs_on_8_devices(fp32_bundles, cpu8_bundle: Path
     from safetensors.numpy import load_file
 
     layout = json.loads((cpu8_bundle / "manifest.json").read_text())["programs"]
-    assert layout["denoise_step_cond"]["inputs"]["context"]["shape"][0] == 1
+    # one kv for both: the cond-only program takes the CFG program's keys and values and uses the first half
+    assert layout["denoise_step_cond"]["inputs"]["kv"] == layout["denoise_step"]["inputs"]["kv"]
     ratios = tmp_path / "ratios.json"
     ratios.write_text(json.dumps([1.0] * 4))
     runs = {"g1": ("--guidance", "1"), "mc": ("--magcache", str(ratios), "--magcache-retention", "0.25")}

@@ -78,7 +78,7 @@ def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFac
         proc = export_cli("--savedmodel", str(bundle), "--out", str(out[name]), *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if extra:
-            assert proc.stderr.count("validated ") == 8 and ": Pass" in proc.stderr, proc.stderr[-2000:]
+            assert proc.stderr.count("validated ") == 9 and ": Pass" in proc.stderr, proc.stderr[-2000:]
     return out
 
 
@@ -89,9 +89,10 @@ def test_layout_and_description(savedmodels, fp32_bundles) -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert info["bundle_id"] == manifest["bundle_id"] and info["scheduler"] == manifest["scheduler"]
     assert set(info["signatures"]) == {*manifest["programs"], "initial_latents"}
-    # Call order: the denoise step takes (state, context, timestep, guidance, row), as the runtime calls it.
+    # Call order: the denoise step takes (state, kv, timestep, guidance, row), as the runtime calls it.
     assert [i["name"] for i in info["signatures"]["denoise_step"]["inputs"]] == [
-        "state", "context", "timestep", "guidance", "row"]
+        "state", "kv", "timestep", "guidance", "row"]
+    assert [i["name"] for i in info["signatures"]["cross_kv"]["inputs"]] == ["context"]
     for name, program in manifest["programs"].items():
         sig = info["signatures"][name]
         assert {i["name"]: {"shape": i["shape"], "dtype": i["dtype"]} for i in sig["inputs"]} == program["inputs"]
