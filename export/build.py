@@ -241,7 +241,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                 add_weights(group, ex.weights)
                 if e == 0:
                     add_program(kinds.cross_kv_program(0), group,
-                                cross_kv.build(ex, model_dtype, image=kind.image_encoder),
+                                cross_kv.build(ex, model_dtype),
                                 kv_inputs(kind, geo, image_tokens), ["kv"])
                     export_denoise(src, ex, kind, geo, s.target, order, model_dtype, conditioning_inputs(kind, geo),
                                    add_program, programs)

@@ -60,14 +60,14 @@ def _project(module: Any, context: Any, image: Any | None) -> Any:
     return torch.stack(out)
 
 
-def build(ex: Extracted, dtype: Any, image: bool) -> Callable[..., jax.Array]:
+def build(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:
     """fn(weights, context[, image_embeds]) -> kv in the model dtype.
 
     context float32 (2B, L, D): prompt embeddings then negative prompt embeddings; image_embeds float32
-    (B x images, tokens, D_img), the same image(s) for cond and uncond (repeated here, as the step did)."""
+    (B x images, tokens, D_img), CLIP kinds only: the same image(s) for cond and uncond (repeated here)."""
 
-    def kv(weights: dict[str, Any], context: jax.Array, *image_embeds: jax.Array) -> jax.Array:
-        img = jnp.concatenate([image_embeds[0]] * 2).astype(dtype) if image else None
+    def kv(weights: dict[str, Any], context: jax.Array, image_embeds: jax.Array | None = None) -> jax.Array:
+        img = None if image_embeds is None else jnp.concatenate([image_embeds] * 2).astype(dtype)
         return ex.fn(weights, (context.astype(dtype), img), {}, method=_project)
 
     return kv

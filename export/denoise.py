@@ -68,7 +68,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
             t = jnp.full((copies * b,), timestep, jnp.int32)
         model_in = jnp.concatenate([model_x] * copies).astype(dtype)
         n = copies * b
-        kv = kv[:, :, :n].astype(dtype)
+        kv = kv[:, :, :n]  # already in the model dtype (cross_kv's output)
         # The text (and image) inputs are placeholders: the blocks take their keys and values from kv.
         kwargs: dict[str, Any] = {"return_dict": False}
         if kind.image_encoder:
