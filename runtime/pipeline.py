@@ -288,6 +288,21 @@ class Pipeline:
         return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
 
     # -- all ----------------------------------------------------------------
+    def start_loading(self, image: bool = False, seed: int = 0, steps: int | None = None,
+                      guidance: float | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
+                      magcache: MagCache | None = None) -> None:
+        """Start loading, in the background, the stages a run with these settings uses before its first step
+        (the denoise programs it runs, the image encoders only with an `image`), so that the DiT's weights are
+        read while the prompt is encoded; what `generate` does first. The VAE decoder loads when it is needed:
+        in the background it would compete with the denoising steps for the cores (measured: step 1 done 4 s
+        later on 2 cores). Raises UserError for bad settings, before any work starts."""
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
+        plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
+        denoising = set(self.step_programs(s.steps, plan.timesteps, s, magcache))
+        self.bundle.prefetch([n for n in self.manifest.programs if not n.startswith("vae_decode")
+                              and (image or not n.startswith("vae_encode"))
+                              and (kinds.denoise_variant(n) is None or n in denoising)])
+
     def generate(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
                  image: ImageInput | None = None, last_image: ImageInput | None = None, seed: int = 0,
                  steps: int | None = None, guidance: float | None = None, guidance_2: float | None = None,
@@ -295,16 +310,7 @@ class Pipeline:
                  progress: bool = True, magcache: MagCache | None = None) -> np.ndarray:
         """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `latents` is the initial noise, as
         diffusers' `latents` argument: (B, z, T, H/s, W/s). `magcache`: see `denoise`."""
-        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)  # fail before encoding
-        plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
-        denoising = set(self.step_programs(s.steps, plan.timesteps, s, magcache))
-        # The stages before the first step start loading now (only the denoise programs this run uses), so the
-        # DiT's weights are read while the prompt is encoded. The VAE decoder loads when it is needed: in the
-        # background it would compete with the denoising steps for the cores (measured: step 1 done 4 s later
-        # on 2 cores).
-        self.bundle.prefetch([n for n in self.manifest.programs if not n.startswith("vae_decode")
-                              and (image is not None or not n.startswith("vae_encode"))
-                              and (kinds.denoise_variant(n) is None or n in denoising)])
+        self.start_loading(image is not None, seed, steps, guidance, flow_shift, guidance_2, magcache)
         try:
             embeds = self.encode(prompt, negative_prompt, image, last_image)
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -40,6 +41,13 @@ def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True
     return proc
 
 
+def run_modules(*commands: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """`run_module` for each command, two at a time: exports are mostly single-threaded Python (imports,
+    tracing, lowering), so on CI's two cores a fixture that builds several bundles takes about half as long."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda args: run_module(*args, timeout=timeout), commands))
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The embedded tiny variants saved with diffusers' save_pretrained."""
@@ -59,11 +67,10 @@ CASES = {
 @pytest.fixture(scope="session")
 def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bundles")
-    out = {}
-    for case, (variant, res, frames, max_len) in CASES.items():
-        out[case] = root / case
-        run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
-                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[case]), "-q")
+    out = {case: root / case for case in CASES}
+    run_modules(*[["export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[case]), "-q"]
+                  for case, (variant, res, frames, max_len) in CASES.items()])
     return out
 
 
@@ -99,11 +106,10 @@ def kind_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 @pytest.fixture(scope="session")
 def kind_bundles(kind_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kind-bundles")
-    out = {}
-    for kind, (_, res, frames, max_len) in KIND_CASES.items():
-        out[kind] = root / kind
-        run_module("export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
-                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[kind]), "-q")
+    out = {kind: root / kind for kind in KIND_CASES}
+    run_modules(*[["export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
+                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[kind]), "-q"]
+                  for kind, (_, res, frames, max_len) in KIND_CASES.items()])
     return out
 
 

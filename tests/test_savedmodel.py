@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import runtime
 from runtime import intermediates as im
 
-from .conftest import ROOT, run_module
+from .conftest import ROOT, run_module, run_modules
 
 PROMPT = "a red fox running through snow"
 
@@ -70,15 +71,17 @@ def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFac
     """The tiny fp32 bundle (validated against JAX while converting), the two-expert one and the
     first-last-frame one (CLIP and VAE-encode stages), converted in processes where torch cannot be imported."""
     root = tmp_path_factory.mktemp("savedmodels")
-    out = {}
-    for name, bundle, extra in (("tiny", fp32_bundles["tiny-64x32-f9"], ["--validate"]),
-                                ("t2v-moe", kind_bundles["t2v-moe"], []),
-                                ("flf2v", kind_bundles["flf2v"], [])):
-        out[name] = root / name
-        proc = export_cli("--savedmodel", str(bundle), "--out", str(out[name]), *extra)
+    jobs = {"tiny": (fp32_bundles["tiny-64x32-f9"], ["--validate"]), "t2v-moe": (kind_bundles["t2v-moe"], []),
+            "flf2v": (kind_bundles["flf2v"], [])}
+    out = {name: root / name for name in jobs}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # as conftest.run_modules
+        procs = dict(zip(jobs, pool.map(
+            lambda name: export_cli("--savedmodel", str(jobs[name][0]), "--out", str(out[name]), *jobs[name][1]),
+            jobs)))
+    for name, proc in procs.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
-        if extra:
-            assert proc.stderr.count("validated ") == 9 and ": Pass" in proc.stderr, proc.stderr[-2000:]
+    assert procs["tiny"].stderr.count("validated ") == 9 and ": Pass" in procs["tiny"].stderr, \
+        procs["tiny"].stderr[-2000:]
     return out
 
 
@@ -163,8 +166,8 @@ def unconvertible(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("unconvertible")
     common = ["--model", "tiny", "--no-weights", "--resolution", "64x32", "--frames", "5",
               "--max-sequence-length", "16", "-q"]
-    run_module("export", *common, "--target", "tpu-v6e-4", "--mesh", "dp=1,sp=1,tp=1", "--out", str(root / "tpu"))
-    run_module("export", *common, "--out", str(root / "no-weights"))
+    run_modules(["export", *common, "--target", "tpu-v6e-4", "--mesh", "dp=1,sp=1,tp=1", "--out", str(root / "tpu")],
+                ["export", *common, "--out", str(root / "no-weights")])
     return {"tpu": root / "tpu", "no-weights": root / "no-weights"}
 
 

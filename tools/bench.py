@@ -94,7 +94,10 @@ def child_runtime(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     marks: dict[str, Any] = {"imported": time.time() - spawned}
     if a["cache_dir"]:
         runtime.enable_compilation_cache(a["cache_dir"])
-    _run_pipeline(runtime.load(a["bundle"]), a, spawned, marks)
+    pipe = runtime.load(a["bundle"])
+    if hasattr(pipe, "start_loading"):  # as generate (a baseline checkout may predate it)
+        pipe.start_loading(steps=a["steps"], guidance=GUIDANCE)
+    _run_pipeline(pipe, a, spawned, marks)
     marks["rss_gb"] = _rss_gb()
     return marks
 
@@ -112,7 +115,7 @@ def child_jit(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from export import build, source
+    from export import build, cross_kv, source
     from export import denoise as denoise_stage
     from export import text_encoder as text_stage
     from export import vae as vae_stage
@@ -149,7 +152,11 @@ def child_jit(a: dict[str, Any], spawned: float) -> dict[str, Any]:
         model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[a["dtype"]])
         order = scheduler.UniPCConfig.from_json(m.scheduler).solver_order
         kind = kinds.get(m.kind)
-        stages["denoise_step"] = (denoise_stage.build(ex, order, model_dtype, kind), to_jax(ex.weights))
+        patch = tuple(src.transformer_config["patch_size"][1:])
+        dit_weights = to_jax(ex.weights)
+        stages["cross_kv"] = (cross_kv.build(ex, model_dtype), dit_weights)
+        stages["denoise_step"] = (denoise_stage.build(ex, order, model_dtype, kind, g.max_sequence_length, patch),
+                                  dit_weights)
         release(module)
         vae, ex = build.load_component(src, "vae", attention, platform=m.target.platform)
         caches = vae_stage.cache_specs(vae, "decode", g.batch, g.latent_height, g.latent_width)
