@@ -17,7 +17,6 @@ placed). Reading the source never unpickles: only safetensors files are accepted
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -41,11 +44,20 @@ def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True
     return proc
 
 
-def run_modules(*commands: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """`run_module` for each command, two at a time: exports are mostly single-threaded Python (imports,
-    tracing, lowering), so on CI's two cores a fixture that builds several bundles takes about half as long."""
+T = TypeVar("T")
+
+
+def in_parallel(*calls: Callable[[], T]) -> list[T]:
+    """Each call's result, in order, running two at a time. For independent subprocesses: exports and tiny-model
+    runs are mostly single-threaded Python (imports, tracing, lowering, compiling), so on CI's two cores two of
+    them take about as long as one. The first failure is raised."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda args: run_module(*args, timeout=timeout), commands))
+        return list(pool.map(lambda call: call(), calls))
+
+
+def run_modules(*commands: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """`run_module` for each command (its arguments), two at a time (`in_parallel`)."""
+    return in_parallel(*[functools.partial(run_module, *args, timeout=timeout) for args in commands])
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import KIND_CASES, ROOT, run_module, test_image
+from .conftest import KIND_CASES, ROOT, run_module, run_modules, test_image
 from .test_bad_input import _fails_cleanly
 from .test_torch_free import BLOCKER, _has_pyav, _read_ffmpeg
 
@@ -78,12 +78,12 @@ def test_three_stage_cli_carries_the_image_conditioning(kind_bundles, images, tm
 def test_same_frames_on_1_and_8_devices(kind: str, kind_bundles, kind_checkpoints, images, tmp_path: Path) -> None:
     _, res, frames, max_len = KIND_CASES[kind]
     cpu8 = tmp_path / "cpu8"
-    run_module("export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(cpu8),
-               "-q")
     extra = ("--image", str(images["first"])) if kind == "i2v" else ("--guidance-2", "2.5")
-    run_module("runtime", "generate", str(kind_bundles[kind]), *GEN, *extra, "--out", str(tmp_path / "1.mp4"),
-               "--frames-out", str(tmp_path / "1.safetensors"))
+    run_modules(["export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
+                 "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(cpu8),
+                 "-q"],
+                ["runtime", "generate", str(kind_bundles[kind]), *GEN, *extra, "--out", str(tmp_path / "1.mp4"),
+                 "--frames-out", str(tmp_path / "1.safetensors")])
     run_module("runtime", "generate", str(cpu8), *GEN, *extra, "--out", str(tmp_path / "8.mp4"),
                "--frames-out", str(tmp_path / "8.safetensors"),
                env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})

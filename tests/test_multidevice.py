@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from .conftest import CASES, ROOT, run_module
+from .conftest import ROOT, in_parallel, run_module
 
 FP32_TOL = 1e-5  # max abs difference in frames (values in [0, 1]) between device layouts
 GEN = ("--prompt", "a robot dancing in the rain", "--steps", "4", "--seed", "7", "-q")
@@ -37,12 +36,11 @@ def _free_port() -> int:
 
 
 def test_same_frames_on_1_device_8_devices_and_2_processes(fp32_bundles, cpu8_bundle: Path, tmp_path: Path) -> None:
-    one = tmp_path / "one.safetensors"
-    run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), *GEN, "--out", str(tmp_path / "one.mp4"),
-               "--frames-out", str(one))
-    eight = tmp_path / "eight.safetensors"
-    run_module("runtime", "generate", str(cpu8_bundle), *GEN, "--out", str(tmp_path / "eight.mp4"),
-               "--frames-out", str(eight), env=_devices(8))
+    one, eight = tmp_path / "one.safetensors", tmp_path / "eight.safetensors"
+    in_parallel(lambda: run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), *GEN, "--out",
+                                   str(tmp_path / "one.mp4"), "--frames-out", str(one)),
+                lambda: run_module("runtime", "generate", str(cpu8_bundle), *GEN, "--out", str(tmp_path / "eight.mp4"),
+                                   "--frames-out", str(eight), env=_devices(8)))
 
     two = tmp_path / "two.safetensors"
     port = _free_port()

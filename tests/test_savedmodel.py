@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import json
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import pytest
 import runtime
 from runtime import intermediates as im
 
-from .conftest import ROOT, run_module, run_modules
+from .conftest import ROOT, in_parallel, run_module, run_modules
 
 PROMPT = "a red fox running through snow"
 
@@ -74,10 +74,9 @@ def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFac
     jobs = {"tiny": (fp32_bundles["tiny-64x32-f9"], ["--validate"]), "t2v-moe": (kind_bundles["t2v-moe"], []),
             "flf2v": (kind_bundles["flf2v"], [])}
     out = {name: root / name for name in jobs}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # as conftest.run_modules
-        procs = dict(zip(jobs, pool.map(
-            lambda name: export_cli("--savedmodel", str(jobs[name][0]), "--out", str(out[name]), *jobs[name][1]),
-            jobs)))
+    procs = dict(zip(jobs, in_parallel(*[
+        functools.partial(export_cli, "--savedmodel", str(bundle), "--out", str(out[name]), *extra)
+        for name, (bundle, extra) in jobs.items()])))
     for name, proc in procs.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert procs["tiny"].stderr.count("validated ") == 9 and ": Pass" in procs["tiny"].stderr, \

@@ -12,7 +12,7 @@ from runtime import scheduler
 from runtime.errors import UserError
 from runtime.magcache import MagCache
 
-from .conftest import CASES, KIND_CASES, run_module
+from .conftest import CASES, run_module
 
 PROMPT = "a red fox running through snow"
 NEGATIVE = "blurry"

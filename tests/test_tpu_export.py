@@ -7,8 +7,7 @@ Nothing runs here (no TPU); the tests read what was baked into the programs.
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
+import functools
 import re
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from export.build import FAMILIES
 from runtime import kinds
 from runtime.bundle import partition_spec
 
-from .conftest import run_module
+from .conftest import in_parallel, run_module
 
 CASES = {  # name: (architecture, resolution, target, devices, heads, frames)
     "14b-720p-v6e-8": ("wan2.1-t2v-14b", "720p", "tpu-v6e-8", 8, 40, 81),
@@ -47,9 +46,8 @@ def tpu_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                    "--target", target, "--out", str(root / case), "-q")
         return time.perf_counter() - t0
 
-    # two at a time (as conftest.run_modules), each still within the bound while sharing the machine
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        seconds = dict(zip(CASES, pool.map(export, CASES)))
+    # two at a time, each still within the bound while sharing the machine
+    seconds = dict(zip(CASES, in_parallel(*[functools.partial(export, case) for case in CASES])))
     assert all(s < EXPORT_SECONDS for s in seconds.values()), seconds
     return {case: root / case for case in CASES}
 
