@@ -32,7 +32,7 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
         order = CallOrder(("ids", "mask"), ("embeds",))
     elif name == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))
-    elif name in (kinds.cross_kv_program(0), kinds.cross_kv_program(1)):
+    elif name in {kinds.cross_kv_program(e) for e in range(kind.experts)}:
         order = CallOrder(kind.kv_inputs, ("kv",))
     elif (variant := kinds.denoise_variant(name)) is not None:
         head = DENOISE_INPUTS + kind.conditioning_inputs

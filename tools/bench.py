@@ -95,8 +95,7 @@ def child_runtime(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     if a["cache_dir"]:
         runtime.enable_compilation_cache(a["cache_dir"])
     pipe = runtime.load(a["bundle"])
-    if hasattr(pipe, "start_loading"):  # as generate (a baseline checkout may predate it)
-        pipe.start_loading(steps=a["steps"], guidance=GUIDANCE)
+    pipe.start_loading(steps=a["steps"], guidance=GUIDANCE)  # as generate
     _run_pipeline(pipe, a, spawned, marks)
     marks["rss_gb"] = _rss_gb()
     return marks
