@@ -174,8 +174,10 @@ def test_steps_take_the_prompts_keys_and_values_instead_of_projecting_them(kind_
                              r"|condition_embedder\.(text|image)_embedder)\.")
     bundle = kind_bundles["i2v"]
     kv_reads = _used_weights(bundle, "cross_kv")
-    assert {"blocks.0.attn2.to_k.weight", "blocks.0.attn2.add_k_proj.weight",
-            "condition_embedder.text_embedder.linear_1.weight"} <= kv_reads
+    # (the tiny models' 16-token context makes diffusers' processor treat every CLIP token as text, so the
+    # added projections go unused here; tests/test_cross_kv.py covers them)
+    assert {"blocks.0.attn2.to_k.weight", "condition_embedder.text_embedder.linear_1.weight"} <= kv_reads
+    assert any(k.startswith("condition_embedder.image_embedder.") for k in kv_reads)
     assert all(projections.match(k) for k in kv_reads), sorted(k for k in kv_reads if not projections.match(k))
     pipe = runtime.load(bundle)
     for name in ("denoise_step", "denoise_step_cond", "denoise_step_residual"):
