@@ -5,7 +5,11 @@ which doubles peak memory (the UMT5-XXL text encoder alone is 11 GB in bf16). Th
 format is a little-endian u64 header length, a JSON header (dtype, shape, byte
 offsets per tensor) and the raw bytes, so we write it tensor by tensor: peak memory
 is one tensor. The output is byte-for-byte deterministic (sorted names, no metadata).
-Files are read back with the safetensors library.
+
+Every tensor whose size is a multiple of 64 bytes (all large ones) starts on a 64-byte boundary
+of the file: the header is padded with spaces (as the format allows) to end on one, and those
+tensors come first, the others after them. The runtime maps the file and jax on CPU adopts an
+aligned buffer as a device array without copying it (runtime/weights.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.manifest import TensorSpec
+from runtime.weights import ALIGN
 
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
            "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -37,7 +42,7 @@ def spec(t: Any) -> TensorSpec:
 
 def write(path: Path, tensors: dict[str, Any]) -> dict[str, TensorSpec]:
     """Write torch tensors to `path` in safetensors format; returns their specs by name."""
-    names = sorted(tensors)
+    names = sorted(tensors, key=lambda n: (tensors[n].numel() * tensors[n].element_size() % ALIGN != 0, n))
     header: dict[str, Any] = {}
     specs: dict[str, TensorSpec] = {}
     offset = 0
@@ -51,7 +56,7 @@ def write(path: Path, tensors: dict[str, Any]) -> dict[str, TensorSpec]:
         specs[name] = spec(t)
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(8 + len(blob)) % ALIGN)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)

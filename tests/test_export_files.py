@@ -36,6 +36,61 @@ def test_streaming_writer_round_trips(tmp_path: Path) -> None:
             np.testing.assert_array_equal(np.asarray(got, want.dtype).reshape(want.shape), want)
 
 
+def _placed(path: Path, names: list[str]) -> dict:
+    """runtime.weights.load_file on one device, no integrity checker."""
+    import jax
+
+    from runtime import manifest as mf
+    from runtime import weights as wio
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return wio.load_file(path, mf.FileRef(path.name, ""), None, dict.fromkeys(names, sharding),
+                         dict.fromkeys(names, None), lambda name, entry: None if entry else f"{name} missing")
+
+
+def test_weights_are_aligned_mapped_and_placed_without_a_copy(tmp_path: Path) -> None:
+    """The writer starts every tensor whose size is a multiple of 64 bytes on a 64-byte boundary of the file;
+    the runtime maps the file and jax on CPU adopts those tensors where they lie in the mapping (the others are
+    copied). Values round-trip either way, also from a file the safetensors library wrote (8-byte aligned)."""
+    import json
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    from export.weights import write
+
+    torch.manual_seed(0)
+    tensors = {"odd": torch.randn(3, 5), "big": torch.randn(64, 48), "bias": torch.randn(48),
+               "half": torch.randn(31, 5).to(torch.bfloat16), "tiny": torch.randn(1)}
+    path = tmp_path / "w.safetensors"
+    write(path, tensors)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    offsets = {k: 8 + n + v["data_offsets"][0] for k, v in json.loads(raw[8:8 + n]).items()}
+    aligned = {k for k, t in tensors.items() if t.numel() * t.element_size() % 64 == 0}
+    assert aligned == {"big", "bias"} and all(offsets[k] % 64 == 0 for k in aligned)
+
+    arrays = _placed(path, list(tensors))
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(path))]
+    spans = [tuple(int(x, 16) for x in m[0].split("-")) for m in maps]
+
+    def mapped(name: str) -> bool:
+        p = arrays[name].unsafe_buffer_pointer()
+        return any(lo <= p < hi for lo, hi in spans)
+
+    on_boundary = {k for k in tensors if offsets[k] % 64 == 0}  # the aligned ones, and the first other one
+    assert aligned < on_boundary != set(tensors)
+    assert {k for k in tensors if mapped(k)} == on_boundary
+    for k, t in tensors.items():
+        np.testing.assert_array_equal(np.asarray(arrays[k], np.float32), t.float().numpy())
+
+    other = tmp_path / "library.safetensors"
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(other))
+    for k, a in _placed(other, list(tensors)).items():
+        np.testing.assert_array_equal(np.asarray(a, np.float32), tensors[k].float().numpy())
+
+
 def _digests(bundle: Path) -> dict[str, str]:
     return {str(p.relative_to(bundle)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(bundle.rglob("*")) if p.is_file()}

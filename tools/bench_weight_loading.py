@@ -4,7 +4,8 @@ Writes the real Wan2.1-T2V-1.3B DiT tensors (names, shapes, dtypes from the
 architecture; random values) to a safetensors file once, then in a fresh process per
 method places them on N fake CPU devices with the DiT's partition rules for the mesh:
 
-  runtime       runtime.bundle.load_sharded: each device's slice read from the file
+  runtime       runtime.weights.load_file: the file mapped, each device's slice cut from the mapping
+                (one device: the mapped tensors themselves)
   load-then-put every tensor read whole into host memory, then jax.device_put
 
 CPU "devices" live in host memory too, so the placed arrays themselves are in RSS
@@ -80,7 +81,8 @@ def measure(method: str, path: Path, index: dict[str, list], mesh_sizes: dict[st
     from jax.sharding import Mesh, NamedSharding
 
     from export import sharding
-    from runtime.bundle import load_sharded
+    from runtime import manifest as mf
+    from runtime import weights as wio
 
     names = tuple(mesh_sizes)
     mesh = Mesh(np.array(jax.devices()).reshape(tuple(mesh_sizes.values())), names)
@@ -92,7 +94,7 @@ def measure(method: str, path: Path, index: dict[str, list], mesh_sizes: dict[st
     sampler.start()
     t0 = time.perf_counter()
     if method == "runtime":
-        arrays = load_sharded(path, shardings, expected, path.name)
+        arrays = wio.load_file(path, mf.FileRef(path.name, ""), None, shardings, expected, lambda name, entry: None)
     else:
         from safetensors import safe_open
 
