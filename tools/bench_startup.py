@@ -9,7 +9,7 @@ import the runtime, open the bundle (manifest, programs and tokenizer checked), 
 stage in the background, tokenize and encode the prompt, run denoising step 1. "first" gives every
 start a new cache and stamp directory; "warm" reuses ones that a previous start filled. Prints the
 median of each phase (seconds since the process was spawned), the ratio of the totals, and the
-work behind them: per weight group the read (+ sha256 when not stamped) and placement, per program
+work behind them: per weight group the mapping (+ sha256 when not stamped) and placement, per program
 deserialization and compilation (background work overlaps the foreground phases).
 """
 
