@@ -87,9 +87,9 @@ def build(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:
 
     def text_kv(weights: dict[str, Any], context: jax.Array) -> jax.Array:
         n, length, width = context.shape
-        chunk = max(1, min(TEXT_CHUNK, length // 4))
         if length < 4:
             return ex.fn(weights, (context,), {}, method=_text)
+        chunk = min(TEXT_CHUNK, length // 4)
         zero = ex.fn(weights, (jnp.zeros((1, 1, width), context.dtype),), {}, method=_text)
         out = jnp.broadcast_to(zero, (*zero.shape[:2], n, length, zero.shape[-1]))
         used = jnp.any(context != 0, axis=(0, 2))  # NaN counts as used

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import manifest as mf
 from .errors import BundleError
-from .integrity import CHUNK, Checker, mismatch_message, sha256_stream
+from .integrity import Checker, mismatch_message, sha256_stream
 
 HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
 ALIGN = 64  # what XLA's CPU client needs to adopt a host buffer without copying it
@@ -61,8 +61,8 @@ class Entry:
     end: int
 
 
-def read_header(f: Any, size: int, label: str) -> tuple[list[Entry], bytes]:
-    """The tensors of an open safetensors file in file order, and the header's raw bytes (to hash)."""
+def read_header(f: Any, size: int, label: str) -> list[Entry]:
+    """The tensors of an open safetensors file, in file order."""
     def bad(why: str) -> BundleError:
         return BundleError(f"weights file {label} is not a valid safetensors file ({why}): re-copy or re-export "
                            "the bundle")
@@ -101,7 +101,7 @@ def read_header(f: Any, size: int, label: str) -> tuple[list[Entry], bytes]:
         pos = e.end
     if pos != size:
         raise bad(f"data ends at byte {pos} of {size}")
-    return entries, raw
+    return entries
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -162,7 +162,7 @@ def load_file(path: Path, ref: mf.FileRef, checker: Checker | None, shardings: d
         started = checker.begin(ref, f) if checker is not None else None
         h = started[0] if started is not None else None
         try:
-            entries, raw = read_header(f, size, label)
+            entries = read_header(f, size, label)
             by_name = {e.name: e for e in entries}
             for name in expected:
                 problem = check(name, by_name.get(name))
@@ -175,15 +175,11 @@ def load_file(path: Path, ref: mf.FileRef, checker: Checker | None, shardings: d
                 if sha256_stream(f).hexdigest() != ref.sha256:
                     raise BundleError(mismatch_message(ref)) from None
             raise
-        if h is not None:
-            h.update(struct.pack("<Q", len(raw)))
-            h.update(raw)
         mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
         data = memoryview(mapped)
+        if h is not None:  # the whole file through the mapping (no copy); the tensors are then placed from the
+            h.update(data)  # pages the hash brought in
         for e in entries:
-            if h is not None:  # every byte, also of tensors the programs do not use
-                for at in range(e.start, e.end, CHUNK):
-                    h.update(data[at: min(at + CHUNK, e.end)])
             if e.name in expected:
                 _populate(mapped, e)
                 out[e.name] = place(host_tensor(data, e), shardings[e.name])
