@@ -7,8 +7,12 @@ text embedder), though negligible at 480p. They depend on the prompt and the exp
 so a bundle holds a program per expert (`cross_kv`, `cross_kv_2`) that computes them all, and its
 denoise programs take them as their `kv` input:
 
-    kv: (layers, 2, 2B, S, inner)  keys then values of every block, for the prompt's B samples then the
-                                   negative prompt's; S = image tokens (0 without CLIP) + text tokens
+    kv: (layers, 2, 2B, heads, S, head_dim)  keys then values of every block, for the prompt's B samples then
+                                   the negative prompt's; S = image tokens (0 without CLIP) + text tokens
+
+Heads before tokens is the layout attention reads them in (B, H, S, D): stored so, the blocks' split into heads
+and SDPA's transpose cancel out, where keys and values stored as (S, inner) were transposed again by every
+block at every step (at the 1.3B widths, 60 copies and 377 MB moved per step).
 
 A cond-only step uses the first B. While a denoise program is traced, `precomputed` makes the blocks
 read these instead of projecting (the projections, norm_k and the embedders return the slices or a
@@ -78,27 +82,37 @@ def _image_rows(module: Any, img: Any) -> Any:
     return torch.stack([_kv(block.attn2, img, image=True) for block in module.blocks])
 
 
+def _heads(x: jax.Array, heads: int) -> jax.Array:
+    """(..., S, inner) -> (..., heads, S, head_dim)."""
+    return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
 def build(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:
     """fn(weights, context[, image_embeds]) -> kv in the model dtype, as diffusers' WanAttnProcessor makes
-    them: (layers, 2, 2B, S, inner), image tokens (CLIP kinds) then text tokens.
+    them, split into heads: (layers, 2, 2B, heads, S, head_dim), image tokens (CLIP kinds) then text tokens.
 
     context float32 (2B, L, D): prompt embeddings then negative prompt embeddings; image_embeds float32
     (B x images, tokens, D_img), CLIP kinds only: the same image(s) for cond and uncond (repeated here)."""
 
+    heads = ex.module.config.num_attention_heads
+
     def text_kv(weights: dict[str, Any], context: jax.Array) -> jax.Array:
         n, length, width = context.shape
         if length < 4:
-            return ex.fn(weights, (context,), {}, method=_text)
+            return _heads(ex.fn(weights, (context,), {}, method=_text), heads)
         chunk = min(TEXT_CHUNK, length // 4)
-        zero = ex.fn(weights, (jnp.zeros((1, 1, width), context.dtype),), {}, method=_text)
-        out = jnp.broadcast_to(zero, (*zero.shape[:2], n, length, zero.shape[-1]))
+        # Two zero rows, one kept: a single row makes every projection a matrix-vector product, for which XLA's
+        # CPU backend materializes each weight's transpose first (60 x 9 MB held at once at the 1.3B widths).
+        zero = _heads(ex.fn(weights, (jnp.zeros((1, 2, width), context.dtype),), {}, method=_text)[:, :, :, :1], heads)
+        out = jnp.broadcast_to(zero, (*zero.shape[:2], n, heads, length, zero.shape[-1]))
         used = jnp.any(context != 0, axis=(0, 2))  # NaN counts as used
         rows = jnp.where(jnp.any(used), length - jnp.argmax(used[::-1]), 0)
 
         def project(i: jax.Array, out: jax.Array) -> jax.Array:
             start = jnp.minimum(i * chunk, length - chunk)  # the last chunk overlaps the one before it
             piece = jax.lax.dynamic_slice_in_dim(context, start, chunk, axis=1)
-            return jax.lax.dynamic_update_slice_in_dim(out, ex.fn(weights, (piece,), {}, method=_text), start, 3)
+            return jax.lax.dynamic_update_slice_in_dim(out, _heads(ex.fn(weights, (piece,), {}, method=_text), heads),
+                                                       start, 4)
 
         return jax.lax.fori_loop(0, (rows + chunk - 1) // chunk, project, out)
 
@@ -112,22 +126,22 @@ def build(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:
         n_img = image_tokens(img.shape[1] + context.shape[1])
         parts = []
         if n_img:
-            parts.append(ex.fn(weights, (img[:, :n_img],), {}, method=_image_rows))
+            parts.append(_heads(ex.fn(weights, (img[:, :n_img],), {}, method=_image_rows), heads))
         if n_img < img.shape[1]:
-            parts.append(ex.fn(weights, (img[:, n_img:],), {}, method=_text_rows))
-        return jnp.concatenate([*parts, text], axis=3)
+            parts.append(_heads(ex.fn(weights, (img[:, n_img:],), {}, method=_text_rows), heads))
+        return jnp.concatenate([*parts, text], axis=4)
 
     return kv
 
 
 @contextlib.contextmanager
 def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Iterator[None]:
-    """While active, the DiT's blocks take their cross-attention keys and values from `kv` (layers, 2, N, S, inner;
-    N the batch the model runs) and the condition embedder skips the text and image projections.
+    """While active, the DiT's blocks take their cross-attention keys and values from `kv` (layers, 2, N, heads, S,
+    head_dim; N the batch the model runs) and the condition embedder skips the text and image projections.
 
     The embedders return (N, tokens, 0) placeholders: the model still concatenates and splits them, but no one
     reads their values."""
-    n, s = kv.shape[2], kv.shape[3]
+    n, s = kv.shape[2], kv.shape[4]
     emb = module.condition_embedder
     n_img = image_tokens(s) if emb.image_embedder is not None else 0
     patched: list[Any] = []
@@ -139,19 +153,22 @@ def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Itera
     def placeholder(tokens: int) -> Any:
         return env.j2t_iso(jnp.zeros((n, tokens, 0), kv.dtype))
 
+    def rows(x: jax.Array) -> Any:  # (N, heads, S, head_dim) -> the projections' (N, S, inner)
+        return env.j2t_iso(jnp.swapaxes(x, 1, 2).reshape(n, x.shape[2], x.shape[1] * x.shape[3]))
+
     returns(emb.text_embedder, placeholder(text_tokens))
     if emb.image_embedder is not None:
         returns(emb.image_embedder, placeholder(s - text_tokens))
     for i, block in enumerate(module.blocks):
         a = block.attn2
-        k, v = env.j2t_iso(kv[i, 0, :, n_img:]), env.j2t_iso(kv[i, 1, :, n_img:])
+        k, v = rows(kv[i, 0, :, :, n_img:]), rows(kv[i, 1, :, :, n_img:])
         returns(a.to_k, k)
         returns(a.to_v, v)
         a.norm_k.forward = lambda x: x
         patched.append(a.norm_k)
         if a.add_k_proj is not None:
-            returns(a.add_k_proj, env.j2t_iso(kv[i, 0, :, :n_img]))
-            returns(a.add_v_proj, env.j2t_iso(kv[i, 1, :, :n_img]))
+            returns(a.add_k_proj, rows(kv[i, 0, :, :, :n_img]))
+            returns(a.add_v_proj, rows(kv[i, 1, :, :, :n_img]))
             a.norm_added_k.forward = lambda x: x
             patched.append(a.norm_added_k)
     try:

@@ -35,7 +35,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     flag[, residual]).
 
     state (order+2, B, C, T, H, W) float32, see runtime/scheduler.py for the layout;
-    kv in the model dtype (layers, 2, 2B, S, inner): the cross-attention keys and values of the prompt then
+    kv in the model dtype (layers, 2, 2B, heads, S, head_dim): the cross-attention keys and values of the prompt then
     the negative prompt (export/cross_kv.py, S = image tokens + `text_tokens`); a `variant.cfg` program uses
     all 2B, one without the first B (and ignores `guidance`);
     timestep int32 scalar; guidance float32 scalar; row float32 coefficients;

@@ -50,6 +50,12 @@ def _reference(module, context: np.ndarray, image: np.ndarray) -> np.ndarray:
         return torch.stack(out).numpy()
 
 
+def _rows(kv: np.ndarray) -> np.ndarray:
+    """cross_kv's (layers, 2, N, heads, S, head_dim) as the projections give them: (layers, 2, N, S, inner)."""
+    layers, two, n, heads, s, d = kv.shape
+    return kv.swapaxes(3, 4).reshape(layers, two, n, s, heads * d)
+
+
 def _context(rows_used: list[int], width: int, seed: int = 0) -> np.ndarray:
     """(2, LENGTH, width): each prompt's first `rows_used[i]` rows random, the rest zero (diffusers' padding)."""
     rng = np.random.default_rng(seed)
@@ -65,9 +71,10 @@ def test_chunked_projection_matches_every_row(i2v_dit, rows_used: list[int]) -> 
     module, ex, weights = i2v_dit
     ctx = _context(rows_used, module.config.text_dim)
     image = np.random.default_rng(1).normal(size=(1, IMAGE_TOKENS, module.config.image_dim)).astype(np.float32)
-    got = np.asarray(jax.jit(cross_kv.build(ex, jnp.float32))(weights, ctx, image))
-    want = _reference(module, ctx, image)
-    assert got.shape == want.shape == (module.config.num_layers, 2, 2, IMAGE_TOKENS + LENGTH, module.config.num_attention_heads * module.config.attention_head_dim)
+    kv = np.asarray(jax.jit(cross_kv.build(ex, jnp.float32))(weights, ctx, image))
+    cfg = module.config
+    assert kv.shape == (cfg.num_layers, 2, 2, cfg.num_attention_heads, IMAGE_TOKENS + LENGTH, cfg.attention_head_dim)
+    got, want = _rows(kv), _reference(module, ctx, image)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -78,7 +85,8 @@ def test_zero_rows_before_the_last_used_one_are_projected_too(i2v_dit) -> None:
     ctx[0, 4] = 0.0
     ctx[1, 17] = np.nan
     image = np.zeros((1, IMAGE_TOKENS, module.config.image_dim), np.float32)
-    got = np.asarray(jax.jit(cross_kv.build(ex, jnp.float32))(weights, ctx, image))
+    got = _rows(np.asarray(jax.jit(cross_kv.build(ex, jnp.float32))(weights, ctx, image)))
     want = _reference(module, ctx, image)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # NaNs must sit in the same places
     assert np.isnan(got[:, :, 1, -LENGTH + 17]).all() and not np.isnan(got[:, :, 1, -LENGTH + 18:]).any()
+
