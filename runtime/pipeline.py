@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import conditioning, images, kinds, scheduler
+from . import conditioning, host_memory, images, kinds, scheduler
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -277,6 +277,7 @@ class Pipeline:
         latents = np.asarray(latents, np.float32)
         if latents.shape != g.latent_shape:
             raise UserError(f"latents have shape {list(latents.shape)}, this bundle needs {list(g.latent_shape)}")
+        host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
         first = self.bundle.call("vae_decode_first")
         frames, caches = first(latents[:, :, 0:1])
         chunks = [frames]
