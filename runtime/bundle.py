@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import compat, lora
+from . import compat, kinds, lora
 from . import manifest as mf
 from . import weights as wio
 from .distributed import put
@@ -37,7 +37,7 @@ log = logging.getLogger("runtime")
 # The VAE keeps the default: its decode holds 231 MB of temporaries so, 834 MB scheduled for memory.
 CPU_COMPILER_OPTIONS = {
     "vae": {"xla_cpu_experimental_ynn_fusion_type": ""},
-    **{dit: {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"} for dit in ("transformer", "transformer_2")},
+    **{dit: {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"} for dit in kinds.DIT_GROUPS},
 }
 
 

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from .errors import UserError
 
 
+DIT_GROUPS = ("transformer", "transformer_2")  # the DiT experts' weight groups, in expert order
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str
@@ -48,7 +51,7 @@ class Kind:
 
     @property
     def expert_groups(self) -> tuple[str, ...]:
-        return ("transformer", "transformer_2")[: self.experts]
+        return DIT_GROUPS[: self.experts]
 
     @property
     def conditioning_inputs(self) -> tuple[str, ...]:

@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from . import kinds
 from . import manifest as mf
 from .errors import UserError
 
 FORMAT = "wan-aot-lora"
-GROUPS = ("transformer", "transformer_2")  # what adapters may target: the DiT experts
+GROUPS = kinds.DIT_GROUPS  # what adapters may target: the DiT experts
 _KEY = re.compile(r"(transformer(?:_2)?)\.(.+)\.(lora_A|lora_B|delta)")
 
 
