@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
                                    seed=args.seed, steps=args.steps, guidance=args.guidance,
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
-                                   magcache=magcache)
+                                   magcache=magcache, low_memory=True)  # one video per process
         else:
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
             frames = pipe.decode(latents)

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +161,18 @@ class Bundle:
             self.call(name)
         except BaseException:  # noqa: BLE001  (remembered; raised where the program is used)
             pass
+
+    def unload(self, groups: Iterable[str]) -> None:
+        """Drop these weight groups and the compiled calls that bind them: their memory goes back (the mapped
+        weight files unmapped, placed copies freed) once no array of theirs is held elsewhere. A later `call`
+        of such a program loads and compiles it again (from the stamp and the compilation cache when warm)."""
+        groups = set(groups)
+        with self._lock:
+            for group in groups:
+                self._weights.pop(group, None)
+            for name, spec in self.manifest.programs.items():
+                if spec.weights in groups:
+                    self._calls.pop(name, None)
 
     def input_shardings(self, name: str) -> list[Any]:
         """Shardings of the program's non-weight inputs, in order."""

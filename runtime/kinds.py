@@ -156,6 +156,19 @@ def denoise_variant(name: str) -> DenoiseVariant | None:
     return None
 
 
+PIPELINE_STAGES = ("encode", "denoise", "decode")  # the order a generation runs its programs' stages in
+
+
+def pipeline_stage(program: str) -> str:
+    """Which of PIPELINE_STAGES program `program` belongs to: the DiT's programs (its steps and cross-attention
+    keys and values) denoise, the VAE decoder's decode, the rest (text, CLIP, VAE encoder) encode."""
+    if program.startswith("vae_decode"):
+        return "decode"
+    if denoise_variant(program) is not None or program.startswith("cross_kv"):
+        return "denoise"
+    return "encode"
+
+
 def check_images(kind: Kind, image: object, last_image: object) -> None:
     """Refuse images a kind does not take, or a missing required one, in one line."""
     if kind.image == "none" and image is not None:

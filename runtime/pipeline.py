@@ -288,6 +288,18 @@ class Pipeline:
                 chunks.append(frames)
         return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
 
+    def unload_before(self, stage: str) -> None:
+        """Drop the weights (and compiled calls) that no program of `stage` or a later stage (kinds.PIPELINE_STAGES)
+        uses: before "denoise", the text and image encoders'; before "decode", those and the DiT experts'. A
+        one-shot run then peaks at its largest stage rather than their sum; a later call of a dropped stage
+        loads it again."""
+        if stage not in kinds.PIPELINE_STAGES:
+            raise ValueError(f"stage must be one of {kinds.PIPELINE_STAGES}, not {stage!r}")
+        later = kinds.PIPELINE_STAGES[kinds.PIPELINE_STAGES.index(stage):]
+        programs = self.manifest.programs
+        keep = {p.weights for n, p in programs.items() if kinds.pipeline_stage(n) in later}
+        self.bundle.unload({p.weights for p in programs.values()} - keep)
+
     # -- all ----------------------------------------------------------------
     def start_loading(self, image: bool = False, seed: int = 0, steps: int | None = None,
                       guidance: float | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
@@ -308,14 +320,20 @@ class Pipeline:
                  image: ImageInput | None = None, last_image: ImageInput | None = None, seed: int = 0,
                  steps: int | None = None, guidance: float | None = None, guidance_2: float | None = None,
                  flow_shift: float | None = None, latents: np.ndarray | None = None,
-                 progress: bool = True, magcache: MagCache | None = None) -> np.ndarray:
+                 progress: bool = True, magcache: MagCache | None = None, low_memory: bool = False) -> np.ndarray:
         """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `latents` is the initial noise, as
-        diffusers' `latents` argument: (B, z, T, H/s, W/s). `magcache`: see `denoise`."""
+        diffusers' `latents` argument: (B, z, T, H/s, W/s). `magcache`: see `denoise`. `low_memory`: drop each
+        stage's weights once the run is past it (`unload_before`), as a process making one video can: the
+        encoders' before the first step, the DiT's before the VAE decode; the next call loads them again."""
         self.start_loading(image is not None, seed, steps, guidance, flow_shift, guidance_2, magcache)
         try:
             embeds = self.encode(prompt, negative_prompt, image, last_image)
+            if low_memory:
+                self.unload_before("denoise")
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
                                magcache=magcache)
+            if low_memory:
+                self.unload_before("decode")
             return self.decode(out)
         except BaseException:
             self.bundle.cancel_prefetch()

@@ -106,6 +106,32 @@ def test_second_expert_and_its_guidance_are_used(kind_bundles) -> None:
     assert np.abs(a - c).max() > 1e-3
 
 
+def test_low_memory_generate_drops_each_stage_once_past_it_and_makes_the_same_video(kind_bundles) -> None:
+    """generate(low_memory=True), as `runtime generate` runs: before the VAE decode only the decoder's weights are
+    held (the DiT experts' arrays are freed, not just forgotten); the frames are the same, and a next call loads
+    the dropped stages again."""
+    import gc
+    import weakref
+
+    pipe = runtime.load(kind_bundles["i2v-moe"])
+    image = test_image(40, 60, seed=3)
+    kept = pipe.generate(PROMPT, NEGATIVE, image=image, seed=4, steps=STEPS, progress=False)
+    dit = weakref.ref(pipe.bundle.weights("transformer_2", "denoise_step_2")["blocks.0.attn1.to_q.weight"])
+    decoded: list[set[str]] = []
+    decode = pipe.decode
+    pipe.decode = lambda latents: (decoded.append(set(pipe.bundle._weights)), decode(latents))[1]
+    low = pipe.generate(PROMPT, NEGATIVE, image=image, seed=4, steps=STEPS, progress=False, low_memory=True)
+    gc.collect()
+    decoder = {pipe.manifest.programs[n].weights for n in pipe.manifest.programs if n.startswith("vae_decode")}
+    assert len(decoded) == 1 and decoded[0] <= decoder and not decoder & {"transformer", "transformer_2"}
+    assert dit() is None
+    np.testing.assert_array_equal(low, kept)
+    np.testing.assert_array_equal(pipe.generate(PROMPT, NEGATIVE, image=image, seed=4, steps=STEPS, progress=False,
+                                                low_memory=True), kept)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        pipe.unload_before("vae")
+
+
 def test_rgba_and_greyscale_images_are_converted_as_the_clip_processor_does(kind_bundles) -> None:
     from PIL import Image
 

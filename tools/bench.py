@@ -5,7 +5,8 @@
     python tools/bench.py --device cuda                    # on a GPU machine: cuda bundles, torch on cuda
 
 Three ways to make the same video, each start a fresh process:
-  runtime  `runtime.load(bundle)` on an exported bundle (1a: empty compilation cache, 1b: warm cache);
+  runtime  `runtime.load(bundle)` on an exported bundle (1a: empty compilation cache, 1b: warm cache), each
+           stage's weights dropped once past it, as `runtime generate` does (Pipeline.unload_before);
   jit      the seeds' path: torch + torchax + diffusers in process, each stage traced with torchax and
            jax.jit-ed (no export, no cache); the same stage functions and the same loop as the runtime;
   eager    diffusers' WanPipeline in eager PyTorch (VAE in fp32, as the runtime).
@@ -72,13 +73,19 @@ def _save_frames(path: str | None, frames: Any) -> None:
         save_file({"frames": np.ascontiguousarray(frames, np.float32)}, path)
 
 
-def _run_pipeline(pipe: Any, a: dict[str, Any], spawned: float, marks: dict[str, Any]) -> None:
-    """encode -> denoise (every step timed) -> decode twice, on a runtime Pipeline (paths runtime and jit)."""
+def _run_pipeline(pipe: Any, a: dict[str, Any], spawned: float, marks: dict[str, Any],
+                  low_memory: bool = False) -> None:
+    """encode -> denoise (every step timed) -> decode twice, on a runtime Pipeline (paths runtime and jit);
+    `low_memory`: each stage's weights dropped once past it, as `runtime generate` does."""
     embeds = pipe.encode(PROMPT, NEGATIVE)
+    if low_memory:
+        pipe.unload_before("denoise")
     steps: list[float] = []
     latents = pipe.denoise(embeds, seed=0, steps=a["steps"], guidance=GUIDANCE, progress=False,
                            on_step=lambda i: steps.append(time.time() - spawned))
     marks["steps"] = steps
+    if low_memory:
+        pipe.unload_before("decode")
     decodes = []
     for _ in range(2):
         t = time.time()
@@ -96,7 +103,7 @@ def child_runtime(a: dict[str, Any], spawned: float) -> dict[str, Any]:
         runtime.enable_compilation_cache(a["cache_dir"])
     pipe = runtime.load(a["bundle"])
     pipe.start_loading(steps=a["steps"], guidance=GUIDANCE)  # as generate
-    _run_pipeline(pipe, a, spawned, marks)
+    _run_pipeline(pipe, a, spawned, marks, low_memory=True)  # as `runtime generate`
     marks["rss_gb"] = _rss_gb()
     return marks
 
