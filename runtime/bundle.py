@@ -117,14 +117,21 @@ class Bundle:
         return self._once(self._calls, name, lambda: self._make_call(name))
 
     def _make_call(self, name: str) -> Callable[..., Any]:
-        exp = self.program(name)
-        weights = self.weights(self.manifest.programs[name].weights, name)
+        group = self.manifest.programs[name].weights
+        # Compiled ahead of time, here (the first call runs at once; a server is ready only after this), from the
+        # weights' shapes and shardings alone, while the weights are read and placed beside it: on a first start
+        # XLA's compile and the read from disk each take seconds. One process: multi-host jobs keep one order.
+        if jax.process_count() == 1:
+            with ThreadPoolExecutor(1, thread_name_prefix="wan-aot-weights") as loader:
+                loading = loader.submit(self.weights, group, name)
+                try:
+                    compiled = self._timed(f"compile {name}", self.compile, name)
+                finally:
+                    weights = loading.result()
+        else:
+            weights = self.weights(group, name)
+            compiled = self._timed(f"compile {name}", self.compile, name)
         shardings = self.input_shardings(name)
-        # Compiled ahead of time, here: the first call runs at once (a server is ready only after this).
-        (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-        inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
-        compiled = self._timed(f"compile {name}", lambda: jax.jit(exp.call).lower(weights, *inputs).compile(
-            self.compiler_options(name)))
 
         def place(a: Any, s: Any) -> jax.Array:
             a = put(a, s)
