@@ -121,16 +121,10 @@ class Bundle:
         # Compiled ahead of time, here (the first call runs at once; a server is ready only after this), from the
         # weights' shapes and shardings alone, while the weights are read and placed beside it: on a first start
         # XLA's compile and the read from disk each take seconds. One process: multi-host jobs keep one order.
-        if jax.process_count() == 1:
-            with ThreadPoolExecutor(1, thread_name_prefix="wan-aot-weights") as loader:
-                loading = loader.submit(self.weights, group, name)
-                try:
-                    compiled = self._timed(f"compile {name}", self.compile, name)
-                finally:
-                    weights = loading.result()
-        else:
-            weights = self.weights(group, name)
+        with ThreadPoolExecutor(1, thread_name_prefix="wan-aot-weights") as loader:
+            loading = loader.submit(self.weights, group, name) if jax.process_count() == 1 else None
             compiled = self._timed(f"compile {name}", self.compile, name)
+            weights = loading.result() if loading is not None else self.weights(group, name)
         shardings = self.input_shardings(name)
 
         def place(a: Any, s: Any) -> jax.Array:

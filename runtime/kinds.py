@@ -164,7 +164,7 @@ def pipeline_stage(program: str) -> str:
     keys and values) denoise, the VAE decoder's decode, the rest (text, CLIP, VAE encoder) encode."""
     if program.startswith("vae_decode"):
         return "decode"
-    if denoise_variant(program) is not None or program.startswith("cross_kv"):
+    if denoise_variant(program) is not None or program in (cross_kv_program(0), cross_kv_program(1)):
         return "denoise"
     return "encode"
 

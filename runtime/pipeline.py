@@ -312,7 +312,8 @@ class Pipeline:
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
         plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
         denoising = set(self.step_programs(s.steps, plan.timesteps, s, magcache))
-        self.bundle.prefetch([n for n in self.manifest.programs if not n.startswith("vae_decode")
+        stage = kinds.pipeline_stage
+        self.bundle.prefetch([n for n in self.manifest.programs if stage(n) != "decode"
                               and (image or not n.startswith("vae_encode"))
                               and (kinds.denoise_variant(n) is None or n in denoising)])
 

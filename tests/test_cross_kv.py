@@ -89,4 +89,3 @@ def test_zero_rows_before_the_last_used_one_are_projected_too(i2v_dit) -> None:
     want = _reference(module, ctx, image)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # NaNs must sit in the same places
     assert np.isnan(got[:, :, 1, -LENGTH + 17]).all() and not np.isnan(got[:, :, 1, -LENGTH + 18:]).any()
-
