@@ -132,6 +132,25 @@ def test_low_memory_generate_drops_each_stage_once_past_it_and_makes_the_same_vi
         pipe.unload_before("vae")
 
 
+def test_a_background_load_still_queued_when_its_stage_is_dropped_does_not_load_it_again(kind_bundles) -> None:
+    """generate queues every stage before the first step for background loading; the text encoder, dropped once
+    the prompt is encoded, must not be loaded again (and held through denoising) by a queued task that starts
+    after the drop. The other queued program still loads."""
+    import threading
+
+    bundle = runtime.load(kind_bundles["t2v-moe"]).bundle
+    bundle.prefetch([])  # makes the pool
+    pool, gate = bundle._pool, threading.Event()
+    for _ in range(pool._max_workers):  # every worker busy: what prefetch queues now waits
+        pool.submit(gate.wait)
+    bundle.prefetch(["text_encoder", "vae_decode_first"])
+    bundle.unload({"text_encoder"})
+    gate.set()
+    pool.shutdown(wait=True)
+    assert "text_encoder" not in bundle._weights and "text_encoder" not in bundle._calls
+    assert "vae_decode_first" in bundle._calls
+
+
 def test_rgba_and_greyscale_images_are_converted_as_the_clip_processor_does(kind_bundles) -> None:
     from PIL import Image
 
