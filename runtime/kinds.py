@@ -31,6 +31,7 @@ from .errors import UserError
 
 
 DIT_GROUPS = ("transformer", "transformer_2")  # the DiT experts' weight groups, in expert order
+TEXT_ENCODER = "text_encoder"  # the program over all max_sequence_length tokens; shorter ones add "_<length>"
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,12 @@ class Kind:
         before the cross_kv programs existed, whose steps took the text (and CLIP image) embeddings."""
         return self.conditioning_inputs + (("image_embeds",) if self.image_encoder else ())
 
-    def stages(self, latent_frames: int) -> tuple[str, ...]:
+    def stages(self, latent_frames: int, max_sequence_length: int) -> tuple[str, ...]:
         """The programs a bundle of this kind holds, in the order they run (bundles exported before the
         denoise variants other than "cfg" existed hold only that one, and the runtime falls back to it; those
-        exported before the cross_kv programs existed have none, and their steps take the embeddings)."""
-        out = ["text_encoder"]
+        exported before the cross_kv programs existed have none, and their steps take the embeddings; those
+        exported before the shorter text encoder programs existed have only the full one)."""
+        out = [text_encoder_program(n, max_sequence_length) for n in text_lengths(max_sequence_length)]
         if self.image_encoder:
             out.append("image_encoder")
         if self.vae_encode:
@@ -157,6 +159,24 @@ def denoise_variant(name: str) -> DenoiseVariant | None:
 
 
 PIPELINE_STAGES = ("encode", "denoise", "decode")  # the order a generation runs its programs' stages in
+
+
+def text_lengths(max_sequence_length: int) -> tuple[int, ...]:
+    """The prompt lengths (tokens) a bundle has text encoder programs for, shortest first: L/8, L/4, L/2 and L.
+    A batch of prompts runs the shortest that holds its longest prompt. diffusers encodes all L positions, but
+    with the padding masked out of attention the real tokens' embeddings do not depend on it (the padded rows
+    are zeroed after), and UMT5-XXL over 512 positions costs ~8x what it does over the 64 a prompt fills."""
+    L = max_sequence_length
+    return tuple(sorted({L >> k for k in (3, 2, 1) if L >> k >= 1} | {L}))
+
+
+def text_encoder_program(length: int, max_sequence_length: int) -> str:
+    return TEXT_ENCODER if length == max_sequence_length else f"{TEXT_ENCODER}_{length}"
+
+
+def is_text_encoder(program: str) -> bool:
+    return program == TEXT_ENCODER or (program.startswith(TEXT_ENCODER + "_")
+                                       and program.removeprefix(TEXT_ENCODER + "_").isdigit())
 
 
 def pipeline_stage(program: str) -> str:

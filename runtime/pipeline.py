@@ -79,12 +79,22 @@ class Pipeline:
         pil = self._load_images(image, last_image)  # unreadable images fail before any program runs
         prompts = self._prompts(prompt, "prompt") + self._prompts(negative_prompt, "negative_prompt")
         ids, mask = self.tokenizer()(prompts)
-        embeds = fetch(self.bundle.call("text_encoder")(ids, mask)).astype(np.float32)
+        n = self._text_length(int(mask.sum(axis=1).max()))
+        name = kinds.text_encoder_program(n, self.geometry.max_sequence_length)
+        embeds = fetch(self.bundle.call(name)(ids[:, :n], mask[:, :n])).astype(np.float32)
+        embeds = np.pad(embeds, ((0, 0), (0, ids.shape[1] - n), (0, 0)))  # padded positions are zero
         b = self.geometry.batch
         out = {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
         if pil:
             out.update(self._encode_images(*pil))
         return out
+
+    def _text_length(self, tokens: int) -> int:
+        """The shortest text encoder program of this bundle that holds `tokens` (kinds.text_lengths; bundles
+        exported before those existed have only the full one)."""
+        L = self.geometry.max_sequence_length
+        have = [n for n in kinds.text_lengths(L) if kinds.text_encoder_program(n, L) in self.manifest.programs]
+        return min((n for n in have if n >= tokens), default=L)
 
     def encode_images(self, image: ImageInput, last_image: ImageInput | None = None) -> dict[str, np.ndarray]:
         """The image conditioning the denoise and cross_kv programs take (kind.denoise_extras), float32:
@@ -314,6 +324,7 @@ class Pipeline:
         denoising = set(self.step_programs(s.steps, plan.timesteps, s, magcache))
         stage = kinds.pipeline_stage
         self.bundle.prefetch([n for n in self.manifest.programs if stage(n) != "decode"
+                              and not kinds.is_text_encoder(n)  # encode loads the one its prompts need, at once
                               and (image or not n.startswith("vae_encode"))
                               and (kinds.denoise_variant(n) is None or n in denoising)])
 

@@ -28,7 +28,7 @@ class CallOrder:
 def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
     """The positional order of program `name`'s inputs and outputs; BundleError if the manifest disagrees."""
     caches_in, caches_out = _caches(spec.inputs), _caches(spec.outputs)
-    if name == "text_encoder":
+    if kinds.is_text_encoder(name):
         order = CallOrder(("ids", "mask"), ("embeds",))
     elif name == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))

@@ -16,7 +16,7 @@ def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
     proc = run_module("runtime", "verify", str(fp32_bundles["tiny-64x32-f9"]))
     lines = proc.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 6, proc.stdout
-    for what in ("manifest:", "files: 12 match their sha256", "weights:", "programs: 8 deserialize", "versions:",
+    for what in ("manifest:", "files: 15 match their sha256", "weights:", "programs: 11 deserialize", "versions:",
                  "devices: 1 x cpu"):
         assert any(what in line for line in lines), (what, proc.stdout)
     assert lines[-1].endswith("is ready to run on this machine")
@@ -25,7 +25,7 @@ def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
 def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
     bundle = fp32_bundles["tiny-64x32-f9"]
     s = json.loads(run_module("runtime", "inspect", str(bundle), "--json").stdout)
-    assert set(s["stages"]) == {"text_encoder", "cross_kv", "denoise_step", "denoise_step_cond", "denoise_step_residual",
+    assert set(s["stages"]) == {"text_encoder", "text_encoder_3", "text_encoder_6", "text_encoder_12", "cross_kv", "denoise_step", "denoise_step_cond", "denoise_step_residual",
                                 "denoise_step_cached", "vae_decode_first", "vae_decode_next"}
     step = s["stages"]["denoise_step"]
     assert step["weights"] == "transformer" and step["args"][0] == {"aval": "float32[4,1,16,3,4,8]",
@@ -43,7 +43,7 @@ def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
 def test_warm_fills_the_cache_that_generate_then_uses(fp32_bundles, tmp_path: Path) -> None:
     bundle, cache = str(fp32_bundles["tiny-64x32-f9"]), tmp_path / "cache"
     proc = run_module("runtime", "warm", bundle, "--cache-dir", str(cache))
-    assert "compiled 8 programs into" in proc.stdout
+    assert "compiled 11 programs into" in proc.stdout
     warmed = sorted(p.name for p in cache.iterdir())
     assert len(warmed) >= 4
     run_module("runtime", "generate", bundle, *GEN, "--out", str(tmp_path / "v.mp4"), "--cache-dir", str(cache))

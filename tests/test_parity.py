@@ -85,3 +85,34 @@ def test_bf16_bundle_tracks_diffusers_bf16(checkpoints, tmp_path) -> None:
     assert np.abs(embeds["prompt_embeds"] - pe.float().numpy()).mean() <= 5e-3
     assert np.abs(latents - ref_latents).mean() <= 3e-2
     assert np.abs(frames - ref_frames).mean() <= 1e-2
+
+
+def test_a_prompt_runs_the_shortest_text_encoder_that_holds_it_with_the_full_lengths_embeddings(fp32_bundles) -> None:
+    """The bundle has text encoder programs over 3, 6, 12 and all 24 positions (kinds.text_lengths); a batch of
+    prompts runs the shortest that holds its longest prompt, and its embeddings are the full program's (padding
+    masked out of attention, padded rows zero) to float rounding."""
+    from runtime import kinds
+
+    pipe = runtime.load(fp32_bundles["tiny-64x32-f9"])
+    L = pipe.geometry.max_sequence_length
+    assert [n for n in kinds.text_lengths(L) if kinds.text_encoder_program(n, L) in pipe.manifest.programs] == \
+        [3, 6, 12, 24]
+    used: list[str] = []
+    call = pipe.bundle.call
+    pipe.bundle.call = lambda name: (used.append(name), call(name))[1]
+    ran = set()
+    for prompt, negative in [("cat", ""), ("a cat playing", "dog"), ("a cat playing piano in a jazz club", "blurry"),
+                             ("a cat playing piano in a jazz club at night, with a band of dogs and a crowd "
+                              "watching from the bar, cinematic lighting, 4k", "blurry, low quality")]:
+        ids, mask = pipe.tokenizer()([prompt, negative])
+        tokens = int(mask.sum(axis=1).max())
+        want = min(n for n in (3, 6, 12, 24) if n >= tokens or n == L)
+        used.clear()
+        embeds = pipe.encode(prompt, negative)
+        assert used == [kinds.text_encoder_program(want, L)], (prompt, tokens, used)
+        ran.add(used[0])
+        full = np.asarray(call("text_encoder")(ids, mask), np.float32)
+        got = np.concatenate([embeds["prompt_embeds"], embeds["negative_prompt_embeds"]])
+        assert got.shape == full.shape and not got[:, tokens:].any()
+        np.testing.assert_allclose(got, full, rtol=0, atol=1e-5 * max(1.0, float(np.abs(full).max())))
+    assert len(ran) >= 3 and "text_encoder" in ran, ran

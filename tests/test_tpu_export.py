@@ -73,7 +73,7 @@ def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path
     assert m.attention["dit"]["impl"] == "pallas-tpu-flash"
     assert m.source["config"]["transformer"]["num_attention_heads"] == heads
     assert m.geometry.frames == frames
-    assert sorted(m.programs) == sorted(kind.stages(m.geometry.latent_frames))
+    assert sorted(m.programs) == sorted(kind.stages(m.geometry.latent_frames, m.geometry.max_sequence_length))
     # every denoise variant attends (in the kernel) but MagCache's cached step, which skips the blocks
     denoise = {kinds.denoise_program(e, v) for e in range(kind.experts) for v in kinds.DENOISE_VARIANTS
                if v != "cached"}
