@@ -104,7 +104,9 @@ def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) 
     first = _digests(fp32_bundles["tiny-64x32-f9"])
     assert set(first) == {"manifest.json", "tokenizer/tokenizer.json", "weights/text_encoder.safetensors",
                           "weights/transformer.safetensors", "weights/vae.safetensors",
-                          "stages/text_encoder.jaxexport", "stages/cross_kv.jaxexport", "stages/denoise_step.jaxexport",
+                          "stages/text_encoder.jaxexport", "stages/text_encoder_3.jaxexport",
+                          "stages/text_encoder_6.jaxexport", "stages/text_encoder_12.jaxexport",
+                          "stages/cross_kv.jaxexport", "stages/denoise_step.jaxexport",
                           "stages/denoise_step_cond.jaxexport", "stages/denoise_step_residual.jaxexport",
                           "stages/denoise_step_cached.jaxexport", "stages/vae_decode_first.jaxexport",
                           "stages/vae_decode_next.jaxexport"}
