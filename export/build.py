@@ -218,8 +218,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             n2, L = 2 * geo.batch, geo.max_sequence_length
             module, ex = load_component(src, "text_encoder", attention, platform=s.target.platform)
             add_weights("text_encoder", ex.weights)
+            encode = text_encoder.build(ex)
             for n in kinds.text_lengths(L):  # the same encoder over the first n positions (kinds.text_lengths)
-                add_program(kinds.text_encoder_program(n, L), "text_encoder", text_encoder.build(ex),
+                add_program(kinds.text_encoder_program(n, L), "text_encoder", encode,
                             {"ids": TensorSpec((n2, n), "int32"), "mask": TensorSpec((n2, n), "int32")},
                             ["embeds"])
             del module, ex

@@ -77,7 +77,7 @@ class Bundle:
     _layouts: dict[str, Future] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor | None = None
-    _queued: set[str] = field(default_factory=set)  # programs prefetch was asked for and has not started
+    _queued: dict[str, Future] = field(default_factory=dict)  # prefetch's task per program
     timings: dict[str, float] = field(default_factory=dict)  # seconds per "weights <group>" / "compile <program>"
     loras: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # group -> tensor -> runtime/lora.py Updates
 
@@ -149,23 +149,17 @@ class Bundle:
             pool = self._pool
         for name in names:
             if name in self.manifest.programs:
-                with self._lock:
-                    self._queued.add(name)
-                pool.submit(self._quiet_call, name)
+                self._queued[name] = pool.submit(self._quiet_call, name)
 
     def cancel_prefetch(self) -> None:
         """Drop the background loads not started yet (after a failure, so the process can exit soon)."""
         with self._lock:
             pool, self._pool = self._pool, None
-            self._queued.clear()
+            self._queued.clear()  # shutdown cancels what has not started
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _quiet_call(self, name: str) -> None:
-        with self._lock:
-            if name not in self._queued:  # unloaded (or cancelled) while it waited: loading it now would undo that
-                return
-            self._queued.discard(name)
         try:
             self.call(name)
         except BaseException:  # noqa: BLE001  (remembered; raised where the program is used)
@@ -182,7 +176,8 @@ class Bundle:
             for name, spec in self.manifest.programs.items():
                 if spec.weights in groups:
                     self._calls.pop(name, None)
-                    self._queued.discard(name)
+                    if (task := self._queued.pop(name, None)) is not None:
+                        task.cancel()  # still queued: loading it later would undo this (no-op once started)
 
     def input_shardings(self, name: str) -> list[Any]:
         """Shardings of the program's non-weight inputs, in order."""

@@ -175,8 +175,6 @@ def child_jit(a: dict[str, Any], spawned: float) -> dict[str, Any]:
         path, manifest = Path(a["bundle"]), m
 
         def call(self, name: str) -> Any:
-            from runtime import kinds
-
             fn, weights = stages["text_encoder" if kinds.is_text_encoder(name) else name]  # jit traces each length
             jitted = jax.jit(fn)
             return lambda *args: jitted(weights, *args)
