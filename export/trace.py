@@ -13,6 +13,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionS
 
 from runtime.manifest import Target, TensorSpec
 
+from . import strided_set
 from .attention import AttentionConfig, install
 from .torchax_compat import load_torchax
 
@@ -46,6 +47,7 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
     matmuls in fp32 (export/cpu_dots.py; for CPU targets).
     """
     tx = load_torchax()
+    strided_set.install()  # RoPE's strided channel writes without scatters (same values)
     env = tx.default_env()
     install(env, attention, mesh)
     if conv_as_2d:
