@@ -86,10 +86,10 @@ def install() -> None:
     global _original_setitem
     from torchax import tensor, view
 
-    view.NarrowInfo.update_tensor = lambda self, new_value, jax_array: strided_set(jax_array, self.slices,
-                                                                                  new_value)
     if _original_setitem is None:
         _original_setitem = tensor.Tensor.__setitem__
+        view.NarrowInfo.update_tensor = lambda self, new_value, jax_array: strided_set(jax_array, self.slices,
+                                                                                      new_value)
 
         def setitem(self: Any, key: Any, val: Any) -> None:
             if _basic(key, self._elem.ndim) is None:
