@@ -37,21 +37,24 @@ def capture(module: Any) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def skip(module: Any, residual: Any) -> Iterator[None]:
-    """While active, the first block returns its input plus `residual` and the others return their input,
-    so none of the blocks' work is traced."""
+def replace(module: Any, first: Any) -> Iterator[None]:
+    """While active, the first block returns first(hidden_states, *its other arguments) and the others return
+    their input, so none of the blocks' work is traced (hooks on the blocks still run)."""
     blocks = list(module.blocks)
-
-    def add(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-        return hidden_states + residual
 
     def through(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         return hidden_states
 
     for i, block in enumerate(blocks):
-        block.forward = add if i == 0 else through  # an instance attribute shadows the class's forward
+        block.forward = first if i == 0 else through  # an instance attribute shadows the class's forward
     try:
         yield
     finally:
         for block in blocks:
             del block.forward
+
+
+def skip(module: Any, residual: Any) -> contextlib.AbstractContextManager[None]:
+    """While active, the first block returns its input plus `residual` and the others return their input,
+    so none of the blocks' work is traced."""
+    return replace(module, lambda hidden_states, *args, **kwargs: hidden_states + residual)

@@ -28,6 +28,7 @@ from runtime.kinds import Kind
 from runtime.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
+    BlockLoop,
     Defaults,
     FileRef,
     Geometry,
@@ -40,7 +41,7 @@ from runtime.manifest import (
     sha256_file,
 )
 
-from . import cross_kv, denoise, image_encoder, sharding, text_encoder
+from . import cross_kv, denoise, denoise_blocks, image_encoder, sharding, text_encoder
 from . import vae as vae_stage
 from . import vae_decoder
 from . import weights as weight_writer
@@ -201,16 +202,27 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                                              partition={k: sharding.spec_to_json(p)
                                                         for k, p in sorted(partitions[group].items())})
 
-        def add_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str],
-                        input_partition: dict[str, PartitionSpec] | None = None,
-                        output_partition: Any = PartitionSpec()) -> None:
+        def write_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str],
+                          input_partition: dict[str, PartitionSpec] | None = None,
+                          output_partition: Any = PartitionSpec(), tensors: dict[str, str] | None = None
+                          ) -> tuple[FileRef, dict[str, TensorSpec]]:
+            """Export fn to stages/<name>.jaxexport; its weights are the group's, or with `tensors` (the name fn
+            uses -> the group's name) those tensors only. Returns the file and the output specs."""
             log.info("exporting %s", name)
-            blob, outs = export_program(fn, weight_files[group].tensors, partitions[group], inputs,
+            names = tensors or {k: k for k in weight_files[group].tensors}
+            blob, outs = export_program(fn, {k: weight_files[group].tensors[g] for k, g in names.items()},
+                                        {k: partitions[group][g] for k, g in names.items()}, inputs,
                                         input_partition or {}, outputs, output_partition, s.target)
             rel = f"stages/{name}.jaxexport"
             (tmp / rel).write_bytes(blob)
-            programs[name] = ProgramSpec(file=rel, sha256=sha256_file(tmp / rel), weights=group,
-                                         inputs=inputs, outputs=outs)
+            return FileRef(rel, sha256_file(tmp / rel)), outs
+
+        def add_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str],
+                        input_partition: dict[str, PartitionSpec] | None = None,
+                        output_partition: Any = PartitionSpec()) -> None:
+            ref, outs = write_program(name, group, fn, inputs, outputs, input_partition, output_partition)
+            programs[name] = ProgramSpec(file=ref.file, sha256=ref.sha256, weights=group, inputs=inputs,
+                                         outputs=outs)
 
         model_dtype = np.dtype({"bf16": "bfloat16", "fp32": "float32"}[s.dtype])  # ml_dtypes registers bf16
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
@@ -245,8 +257,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                     add_program(kinds.cross_kv_program(0), group,
                                 cross_kv.build(ex, model_dtype),
                                 kv_inputs(kind, geo, image_tokens), ["kv"])
-                    export_denoise(src, ex, kind, geo, s.target, order, model_dtype, conditioning_inputs(kind, geo),
-                                   add_program, programs)
+                    block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
+                    export_denoise(src, ex, block, kind, geo, s.target, order, model_dtype,
+                                   conditioning_inputs(kind, geo), add_program, write_program, programs)
                 else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
@@ -317,20 +330,28 @@ def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None) -
     return {name: TensorSpec(shapes[name], "float32") for name in kind.kv_inputs}
 
 
-def export_denoise(src: Source, ex: Extracted, kind: Kind, geo: Geometry, target: Target, order: int,
-                   model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any,
+def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo: Geometry, target: Target,
+                   order: int, model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any, write_program: Any,
                    programs: dict[str, ProgramSpec]) -> None:
     """The first expert's denoise programs, one per variant (kinds.DENOISE_VARIANTS), each traced with the DiT
     layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one. All take the
     cross_kv program's keys and values (exported before them), replicated: the cross-attention layout wants
-    them whole on every device (export/attention.py)."""
+    them whole on every device (export/attention.py).
+
+    A variant that runs the transformer blocks runs them as one block program per batch size, called once per
+    block (export/denoise_blocks.py; `block` extracts block 0 of the DiT): the program's own file is the head,
+    and its tail is listed beside it. MagCache's cached step runs no block and stays one program."""
     patch = tuple(src.transformer_config["patch_size"][1:])
     L = geo.max_sequence_length
     kv = programs[kinds.cross_kv_program(0)].outputs["kv"]
     tokens = dit_shape(src, geo).tokens
+    layers = len(ex.module.blocks)
+    block_files: dict[int, FileRef] = {}  # by batch
+    tensors = {k: f"{denoise_blocks.BLOCK_PREFIX}0.{k}" for k in block.weights}
     for v in kinds.DENOISE_VARIANTS.values():
         batch = (2 if v.cfg else 1) * geo.batch
         layout = sharding.dit_layout(target.mesh, batch, tokens)
+        name = kinds.denoise_program(0, v.name)
         inputs = {
             "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
             "kv": kv,
@@ -346,9 +367,28 @@ def export_denoise(src: Source, ex: Extracted, kind: Kind, geo: Geometry, target
             outputs.append("residual")
             out_partition.append(layout.hidden)
         with sharding.use_layout(layout):
-            add_program(kinds.denoise_program(0, v.name), "transformer",
-                        denoise.build(ex, order, model_dtype, kind, L, patch, v), inputs, outputs,
-                        {"residual": layout.hidden}, tuple(out_partition))
+            step = denoise.build(ex, order, model_dtype, kind, L, patch, v)
+            if v.residual == "in":
+                add_program(name, "transformer", step, inputs, outputs, {"residual": layout.hidden},
+                            tuple(out_partition))
+                continue
+            carry = denoise_blocks.Carry()
+            hidden = layout.hidden
+            head, carried = write_program(name, "transformer", denoise_blocks.head(ex, step, carry), inputs,
+                                          denoise_blocks.HEAD_OUTPUTS, output_partition=(hidden, PartitionSpec(),
+                                                                                          PartitionSpec()))
+            if batch not in block_files:  # one block program per batch size, shared by the variants
+                block_files[batch], _ = write_program(
+                    f"denoise_block_{batch}", "transformer", denoise_blocks.block(block, carry, kind.image_encoder),
+                    {**carried, "kv": kv, "layer": TensorSpec((), "int32")}, ["hidden"], {"hidden": hidden}, hidden,
+                    tensors)
+            tail, outs = write_program(f"{name}_tail", "transformer", denoise_blocks.tail(ex, step),
+                                       {**inputs, "hidden": carried["hidden"]}, outputs,
+                                       {"residual": hidden, "hidden": hidden}, tuple(out_partition))
+            loop = BlockLoop(block=block_files[batch], tail=tail, layers=layers, prefix=denoise_blocks.BLOCK_PREFIX,
+                             shared=("kv",))
+            programs[name] = ProgramSpec(file=head.file, sha256=head.sha256, weights="transformer", inputs=inputs,
+                                         outputs=outs, blocks=loop)
 
 
 def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any,

@@ -143,7 +143,6 @@ def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Itera
     reads their values."""
     n, s = kv.shape[2], kv.shape[4]
     emb = module.condition_embedder
-    n_img = image_tokens(s) if emb.image_embedder is not None else 0
     patched: list[Any] = []
 
     def returns(sub: Any, value: Any) -> None:
@@ -153,24 +152,44 @@ def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Itera
     def placeholder(tokens: int) -> Any:
         return env.j2t_iso(jnp.zeros((n, tokens, 0), kv.dtype))
 
-    def rows(x: jax.Array) -> Any:  # (N, heads, S, head_dim) -> the projections' (N, S, inner)
-        return env.j2t_iso(jnp.swapaxes(x, 1, 2).reshape(n, x.shape[2], x.shape[1] * x.shape[3]))
-
     returns(emb.text_embedder, placeholder(text_tokens))
     if emb.image_embedder is not None:
         returns(emb.image_embedder, placeholder(s - text_tokens))
-    for i, block in enumerate(module.blocks):
-        a = block.attn2
-        k, v = rows(kv[i, 0, :, :, n_img:]), rows(kv[i, 1, :, :, n_img:])
-        returns(a.to_k, k)
-        returns(a.to_v, v)
-        a.norm_k.forward = lambda x: x
-        patched.append(a.norm_k)
-        if a.add_k_proj is not None:
-            returns(a.add_k_proj, rows(kv[i, 0, :, :, :n_img]))
-            returns(a.add_v_proj, rows(kv[i, 1, :, :, :n_img]))
-            a.norm_added_k.forward = lambda x: x
-            patched.append(a.norm_added_k)
+    try:
+        with contextlib.ExitStack() as stack:
+            for i, block in enumerate(module.blocks):
+                stack.enter_context(block_precomputed(block, env, kv[i], emb.image_embedder is not None))
+            yield
+    finally:
+        for sub in patched:
+            del sub.forward
+
+
+@contextlib.contextmanager
+def block_precomputed(block: Any, env: Any, kv: jax.Array, image: bool) -> Iterator[None]:
+    """While active, one block's cross-attention takes its keys and values from `kv` (2, N, heads, S, head_dim):
+    image tokens first (`image`: the model has a CLIP image embedder; see `image_tokens`), then text tokens."""
+    n = kv.shape[1]
+    n_img = image_tokens(kv.shape[3]) if image else 0
+    a = block.attn2
+    patched: list[Any] = []
+
+    def returns(sub: Any, value: Any) -> None:
+        sub.forward = lambda *args, **kwargs: value  # an instance attribute shadows the class's forward
+        patched.append(sub)
+
+    def rows(x: jax.Array) -> Any:  # (N, heads, S, head_dim) -> the projections' (N, S, inner)
+        return env.j2t_iso(jnp.swapaxes(x, 1, 2).reshape(n, x.shape[2], x.shape[1] * x.shape[3]))
+
+    returns(a.to_k, rows(kv[0, :, :, n_img:]))
+    returns(a.to_v, rows(kv[1, :, :, n_img:]))
+    a.norm_k.forward = lambda x: x
+    patched.append(a.norm_k)
+    if a.add_k_proj is not None:
+        returns(a.add_k_proj, rows(kv[0, :, :, :n_img]))
+        returns(a.add_v_proj, rows(kv[1, :, :, :n_img]))
+        a.norm_added_k.forward = lambda x: x
+        patched.append(a.norm_added_k)
     try:
         yield
     finally:

@@ -7,7 +7,8 @@
 
 Each signature runs the bundle's own jax.export program: the orbax `JaxModule` method calls the
 deserialized `Exported`, and jax2tf (native serialization) wraps that same StableHLO in an
-XlaCallModule op, so TF runs exactly what the runtime runs. Weights become tf.Variables (bf16 stays
+XlaCallModule op, so TF runs exactly what the runtime runs (a denoise step whose blocks are a program of
+their own runs its head, its block program once per block and its tail in one signature). Weights become tf.Variables (bf16 stays
 bf16); programs that share a weight group share its variables (the VAE's, a two-expert bundle's
 `denoise_step` / `denoise_step_2` program with their own groups).
 
@@ -103,7 +104,7 @@ def convert(bundle: Path, out: Path, force: bool = False, validate: bool = False
     signatures: dict[str, Any] = {}
     for name, spec in manifest.programs.items():
         order = call_order(name, kind, spec)
-        methods[name] = _method(b.program(name), spec.weights, order.inputs, order.outputs)
+        methods[name] = _method(b.traceable(name), spec.weights, order.inputs, order.outputs)
         inputs = {n: spec.inputs[n] for n in order.inputs}
         configs.append(oex.ServingConfig(name, method_key=name, input_signature=[
             {n: tf.TensorSpec(s.shape, tf.dtypes.as_dtype(s.dtype), name=n) for n, s in inputs.items()}]))
@@ -154,12 +155,12 @@ def _io(name: str, spec: mf.TensorSpec) -> dict[str, Any]:
     return {"name": name, "shape": list(spec.shape), "dtype": spec.dtype}
 
 
-def _method(exp: Any, group: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
-    """apply_fn(params, {input: array}) -> {output: array} running the bundle's program `exp`."""
+def _method(call: Any, group: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
+    """apply_fn(params, {input: array}) -> {output: array} running the bundle's program (`Bundle.traceable`)."""
     import jax
 
     def apply(params: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
-        result = jax.tree.leaves(exp.call(params[group], *[x[n] for n in inputs]))
+        result = jax.tree.leaves(call(params[group], *[x[n] for n in inputs]))
         return dict(zip(outputs, result, strict=True))
 
     return apply

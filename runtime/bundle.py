@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import compat, kinds, lora
+from . import compat, kinds, lora, signatures
 from . import manifest as mf
 from . import weights as wio
 from .distributed import put
@@ -96,11 +96,14 @@ class Bundle:
                 fut.set_exception(e)
         return fut.result()
 
-    def program(self, name: str) -> Any:
+    def program(self, name: str, part: str = "") -> Any:
+        """The deserialized program `name`; with `part` ("block" or "tail"), that part of its block loop
+        (manifest.BlockLoop; the program's own file is the head)."""
         if name not in self.manifest.programs:
             raise BundleError(f"bundle has no program {name!r}: re-export it")
-        return self._once(self._programs, name, lambda: self._timed(f"deserialize {name}", load_program, self.path,
-                                                                    self.manifest, name))
+        key = f"{name}:{part}" if part else name
+        return self._once(self._programs, key, lambda: self._timed(f"deserialize {key}", load_program, self.path,
+                                                                   self.manifest, name, part))
 
     def _timed(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         t = time.perf_counter()
@@ -122,9 +125,13 @@ class Bundle:
         # Compiled ahead of time, here (the first call runs at once; a server is ready only after this), from the
         # weights' shapes and shardings alone, while the weights are read and placed beside it: on a first start
         # XLA's compile and the read from disk each take seconds. One process: multi-host jobs keep one order.
+        loop = self.manifest.programs[name].blocks
         with ThreadPoolExecutor(1, thread_name_prefix="wan-aot-weights") as loader:
             loading = loader.submit(self.weights, group, name) if jax.process_count() == 1 else None
             compiled = self._timed(f"compile {name}", self.compile, name)
+            if loop is not None:
+                block = self._timed(f"compile {name}:block", self.compile, name, "block")
+                tail = self._timed(f"compile {name}:tail", self.compile, name, "tail")
             weights = loading.result() if loading is not None else self.weights(group, name)
         shardings = self.input_shardings(name)
 
@@ -135,7 +142,25 @@ class Bundle:
         def run(*args: Any) -> Any:
             return compiled(weights, *[place(a, s) for a, s in zip(args, shardings)])
 
-        return run
+        if loop is None:
+            return run
+        # Head, then the block program once per block with that block's tensors, then the tail (manifest.BlockLoop).
+        block_exp = self.program(name, "block")
+        (block_avals, *_), _ = jax.tree.unflatten(block_exp.in_tree, block_exp.in_avals)
+        per_block = [{k: weights[f"{loop.prefix}{i}.{k}"] for k in block_avals} for i in range(loop.layers)]
+        layer_sharding = self.input_shardings(name, "block")[-1]
+        layers = [put(np.int32(i), layer_sharding) for i in range(loop.layers)]
+        order = signatures.call_order(name, kinds.get(self.manifest.kind), self.manifest.programs[name]).inputs
+        shared = [order.index(n) for n in loop.shared]
+
+        def run_blocks(*args: Any) -> Any:
+            placed = [place(a, s) for a, s in zip(args, shardings)]
+            hidden, *carried = compiled(weights, *placed)
+            for i in range(loop.layers):
+                hidden = block(per_block[i], hidden, *carried, *[placed[j] for j in shared], layers[i])
+            return tail(weights, *placed, hidden)
+
+        return run_blocks
 
     def prefetch(self, names: list[str]) -> None:
         """Start loading, placing and compiling these programs in the background, in order, so that reading
@@ -179,9 +204,9 @@ class Bundle:
                     if (task := self._queued.pop(name, None)) is not None:
                         task.cancel()  # still queued: loading it later would undo this (no-op once started)
 
-    def input_shardings(self, name: str) -> list[Any]:
-        """Shardings of the program's non-weight inputs, in order."""
-        exp = self.program(name)
+    def input_shardings(self, name: str, part: str = "") -> list[Any]:
+        """Shardings of the program's (or its `part`'s) non-weight inputs, in order."""
+        exp = self.program(name, part)
         (w, *rest), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(self.mesh))
         return [s or NamedSharding(self.mesh, PartitionSpec()) for s in rest]
 
@@ -226,15 +251,49 @@ class Bundle:
                        tuple(a.shape), np.dtype(a.dtype))
                 for name, a in w_avals.items()}
 
-    def compile(self, name: str) -> Any:
-        """Compile a program for this mesh without weights or inputs (fills the persistent compilation cache);
-        returns the jax Compiled object (its HLO and cost analysis are what tools/roofline.py reads)."""
-        exp = self.program(name)
-        layout = self.weight_layout(self.manifest.programs[name].weights, name)
+    def compile(self, name: str, part: str = "") -> Any:
+        """Compile a program (or its `part`, see `program`) for this mesh without weights or inputs (fills the
+        persistent compilation cache); returns the jax Compiled object (its HLO and cost analysis are what
+        tools/roofline.py reads)."""
+        return jax.jit(self.program(name, part).call).lower(*self._abstract(name, part)).compile(
+            self.compiler_options(name))
+
+    def _abstract(self, name: str, part: str = "") -> list[Any]:
+        """The weights and inputs of program `name` (or its `part`) as shapes, dtypes and shardings."""
+        exp = self.program(name, part)
+        spec = self.manifest.programs[name]
+        layout = self.weight_layout(spec.weights, name)
+        (w_avals, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        if part == "block":  # block 0's tensors, named as the block program names them
+            layout = {k: layout[f"{spec.blocks.prefix}0.{k}"] for k in w_avals}
         weights = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s) for k, (s, shape, dtype) in layout.items()}
-        (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-        inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, self.input_shardings(name))]
-        return jax.jit(exp.call).lower(weights, *inputs).compile(self.compiler_options(name))
+        return [weights, *[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                           for a, s in zip(avals, self.input_shardings(name, part))]]
+
+    def traceable(self, name: str) -> Callable[..., Any]:
+        """fn(weights, *inputs) running program `name` as JAX code (its parts in turn for a block loop), to trace
+        it as one function: a SavedModel signature (export/savedmodel.py), XLA's analysis of a whole step."""
+        spec = self.manifest.programs[name]
+        head = self.program(name)
+        if spec.blocks is None:
+            return head.call
+        loop, block, tail = spec.blocks, self.program(name, "block"), self.program(name, "tail")
+        (names, *_), _ = jax.tree.unflatten(block.in_tree, block.in_avals)
+        order = signatures.call_order(name, kinds.get(self.manifest.kind), spec).inputs
+        shared = [order.index(n) for n in loop.shared]
+
+        def fn(weights: dict[str, Any], *inputs: Any) -> Any:
+            hidden, *carried = head.call(weights, *inputs)
+            for i in range(loop.layers):
+                mine = {k: weights[f"{loop.prefix}{i}.{k}"] for k in names}
+                hidden = block.call(mine, hidden, *carried, *[inputs[j] for j in shared], np.int32(i))
+            return tail.call(weights, *inputs, hidden)
+
+        return fn
+
+    def compile_whole(self, name: str) -> Any:
+        """`compile`, but a block loop's parts as one XLA program (what tools/roofline.py analyses)."""
+        return jax.jit(self.traceable(name)).lower(*self._abstract(name)).compile(self.compiler_options(name))
 
     def compiler_options(self, name: str) -> dict[str, Any] | None:
         """XLA options for compiling program `name` on this bundle's platform (None: XLA's defaults)."""
@@ -269,15 +328,21 @@ def partition_spec(data: list[Any]) -> PartitionSpec:
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in data])
 
 
-def load_program(path: Path, manifest: mf.Manifest, name: str) -> Any:
-    """Deserialize one of the bundle's programs; refuses what this jax cannot run."""
+def load_program(path: Path, manifest: mf.Manifest, name: str, part: str = "") -> Any:
+    """Deserialize one of the bundle's programs (or its block loop's "block" or "tail" part); refuses what this jax
+    cannot run."""
     spec = manifest.programs[name]
-    blob = mf.resolve(path, spec.file).read_bytes()
+    file = spec.file
+    if part:
+        if spec.blocks is None:
+            raise BundleError(f"program {name!r} has no block loop: re-export the bundle")
+        file = getattr(spec.blocks, part).file
+    blob = mf.resolve(path, file).read_bytes()
     exported_jax = manifest.versions.get("jax")
     try:
         exp = jax.export.deserialize(bytearray(blob))
     except Exception as e:  # noqa: BLE001  (any failure here means an unusable file)
-        raise BundleError(f"cannot deserialize {spec.file} ({type(e).__name__}: {e}); it was exported with jax "
+        raise BundleError(f"cannot deserialize {file} ({type(e).__name__}: {e}); it was exported with jax "
                           f"{exported_jax}: re-export with this jax ({jax.__version__})") from None
     compat.check_program(name, exp, exported_jax)
     return exp

@@ -33,7 +33,9 @@ from .errors import BundleError
 #      (the second expert's denoise_step_2); geometry.latent_channels is the VAE's z_dim.
 #   4: cross_kv programs (cross-attention keys and values once per prompt); the denoise programs take their
 #      `kv` instead of `context` (and CLIP kinds' `image_embeds`).
-SCHEMA_VERSION = 4
+#   5: a denoise program may run its transformer blocks as a program of their own (ProgramSpec.blocks): its file
+#      is then the head, and the block and tail programs are listed beside it.
+SCHEMA_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 
 
@@ -62,7 +64,14 @@ def _from_v3(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3}  # version -> function taking that version's JSON to the next version's
+def _from_v4(d: dict[str, Any]) -> dict[str, Any]:
+    """v4 bundles run every program whole (no ProgramSpec.blocks)."""
+    d = copy.deepcopy(d)
+    d["schema_version"] = 5
+    return d
+
+
+MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4}  # version -> function taking that version's JSON to the next version's
 
 
 @dataclass(frozen=True)
@@ -85,14 +94,36 @@ class FileRef:
 
 
 @dataclass(frozen=True)
+class BlockLoop:
+    """A program run as head -> block x layers -> tail (export/denoise_blocks.py). The head is the program's own
+    file: it takes the program's inputs and returns the block's leading inputs (hidden states first). The block
+    program takes block i's tensors of the group (named `prefix` + "<i>." + the name the block program uses), the
+    head's outputs with the hidden states replaced by the previous block's, then the program's `shared` inputs and
+    the block index (int32), and returns the hidden states. The tail takes the program's inputs and the last
+    block's hidden states and returns the program's outputs."""
+
+    block: FileRef
+    tail: FileRef
+    layers: int
+    prefix: str
+    shared: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ProgramSpec:
-    """One serialized program. `weights` names the weight group passed as its first argument."""
+    """One serialized program. `weights` names the weight group passed as its first argument. With `blocks`,
+    the program runs in three parts (BlockLoop), `file` being the first."""
 
     file: str
     sha256: str
     weights: str
     inputs: dict[str, TensorSpec]
     outputs: dict[str, TensorSpec]
+    blocks: BlockLoop | None = None
+
+    def files(self) -> list[FileRef]:
+        """The program's files: its own, and its block and tail programs."""
+        return [FileRef(self.file, self.sha256)] + ([self.blocks.block, self.blocks.tail] if self.blocks else [])
 
 
 @dataclass(frozen=True)
@@ -179,7 +210,7 @@ class Manifest:
 
     def files(self) -> list[FileRef]:
         """Every file the manifest lists, once (the experts' denoise programs share one file)."""
-        refs = [FileRef(p.file, p.sha256) for p in self.programs.values()]
+        refs = [ref for p in self.programs.values() for ref in p.files()]
         refs += [FileRef(w.file, w.sha256) for w in self.weights.values() if w.file is not None]
         if self.tokenizer is not None:
             refs.append(self.tokenizer)

@@ -35,6 +35,9 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
         stage: dict[str, Any] = {"file": p.file, "bytes": _size(path, p.file), "weights": p.weights,
                                  "inputs": {k: _spec(v) for k, v in p.inputs.items()},
                                  "outputs": {k: _spec(v) for k, v in p.outputs.items()}}
+        if p.blocks is not None:
+            stage["blocks"] = {"layers": p.blocks.layers, "block": p.blocks.block.file, "tail": p.blocks.tail.file,
+                               "bytes": _size(path, p.blocks.block.file) + _size(path, p.blocks.tail.file)}
         stage.update(_program_shardings(path, m, name))
         stages[name] = stage
     return {
@@ -82,6 +85,10 @@ def format_text(s: dict[str, Any]) -> str:
     ]
     for name, st in s["stages"].items():
         lines.append(f"  {name:<18} {st['file']} ({_bytes(st['bytes'])}), weights: {st['weights']}")
+        if "blocks" in st:
+            loop = st["blocks"]
+            lines.append(f"  {'':<18} then {loop['block']} x {loop['layers']} blocks, then {loop['tail']} "
+                         f"({_bytes(loop['bytes'])})")
         if "error" in st:
             lines.append(f"    (cannot read the program: {st['error']})")
         for kind, key in (("in ", "args"), ("out", "results")):
@@ -105,8 +112,10 @@ def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:
 
     ref = m.programs[name]
     try:
-        mf.check_file(path, ref)
+        for file in ref.files():
+            mf.check_file(path, file)
         exp = load_program(path, m, name)
+        last = load_program(path, m, name, "tail") if ref.blocks is not None else exp  # a block loop's results
     except (BundleError, OSError) as e:
         return {"error": str(e)}
     n_weights = len(m.weights[ref.weights].tensors)
@@ -115,7 +124,7 @@ def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:
         return {"aval": aval.str_short(), "sharding": "unspecified" if sharding is None else str(sharding)}
 
     return {"args": [entry(a, sh) for a, sh in zip(exp.in_avals[n_weights:], exp.in_shardings_hlo[n_weights:])],
-            "results": [entry(a, sh) for a, sh in zip(exp.out_avals, exp.out_shardings_hlo)]}
+            "results": [entry(a, sh) for a, sh in zip(last.out_avals, last.out_shardings_hlo)]}
 
 
 def _runs(items: list[Any]) -> list[tuple[Any, int]]:

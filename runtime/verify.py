@@ -109,16 +109,19 @@ def _check_programs(path: Path, m: mf.Manifest) -> list[Check]:
 
     out: list[Check] = []
     conventions = set()
-    for name in m.programs:
+    parts = [(name, part) for name, spec in m.programs.items() for part in ("", "block", "tail")
+             if not part or spec.blocks is not None]
+    for name, part in parts:
         try:
-            exp = load_program(path, m, name)
+            exp = load_program(path, m, name, part)
         except BundleError as e:
             out.append(Check(FAIL, str(e)))
             continue
         conventions.add(exp.calling_convention_version)
         want = "cuda" if m.target.platform == "cuda" else m.target.platform
         if want not in exp.platforms:
-            out.append(Check(FAIL, f"program {name} was exported for {exp.platforms}, the manifest says {want}: "
+            what = f"{name} ({part})" if part else name
+            out.append(Check(FAIL, f"program {what} was exported for {exp.platforms}, the manifest says {want}: "
                                    "re-export the bundle"))
     if not out:
         lo = jax.export.minimum_supported_calling_convention_version

@@ -16,7 +16,7 @@ def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
     proc = run_module("runtime", "verify", str(fp32_bundles["tiny-64x32-f9"]))
     lines = proc.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 6, proc.stdout
-    for what in ("manifest:", "files: 15 match their sha256", "weights:", "programs: 11 deserialize", "versions:",
+    for what in ("manifest:", "files: 20 match their sha256", "weights:", "programs: 11 deserialize", "versions:",
                  "devices: 1 x cpu"):
         assert any(what in line for line in lines), (what, proc.stdout)
     assert lines[-1].endswith("is ready to run on this machine")
@@ -30,6 +30,9 @@ def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
     step = s["stages"]["denoise_step"]
     assert step["weights"] == "transformer" and step["args"][0] == {"aval": "float32[4,1,16,3,4,8]",
                                                                      "sharding": "{replicated}"}
+    layers = json.loads((bundle / "manifest.json").read_text())["source"]["config"]["transformer"]["num_layers"]
+    assert step["blocks"]["layers"] == layers  # the block loop; its results are the tail's, the step's
+    assert [r["aval"] for r in step["results"]] == ["float32[4,1,16,3,4,8]", "bool[]"]
     from safetensors import safe_open
 
     with safe_open(str(bundle / "weights" / "transformer.safetensors"), framework="numpy") as f:

@@ -109,5 +109,9 @@ def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) 
                           "stages/cross_kv.jaxexport", "stages/denoise_step.jaxexport",
                           "stages/denoise_step_cond.jaxexport", "stages/denoise_step_residual.jaxexport",
                           "stages/denoise_step_cached.jaxexport", "stages/vae_decode_first.jaxexport",
-                          "stages/vae_decode_next.jaxexport"}
+                          "stages/vae_decode_next.jaxexport",
+                          # the block loop: one block program per batch (2B, B), a tail per looping step
+                          "stages/denoise_block_2.jaxexport", "stages/denoise_block_1.jaxexport",
+                          "stages/denoise_step_tail.jaxexport", "stages/denoise_step_cond_tail.jaxexport",
+                          "stages/denoise_step_residual_tail.jaxexport"}
     assert _digests(again) == first

@@ -204,10 +204,16 @@ def _used_weights(bundle: Path, name: str) -> set[str]:
     from runtime import manifest as mf
     from runtime.bundle import load_program
 
-    exp = load_program(bundle, mf.read(bundle), name)
-    (weights, *_), _ = jax.tree.unflatten(exp.in_tree, list(range(len(exp.in_avals))))
-    kept = set(exp.module_kept_var_idx)
-    return {k for k, i in weights.items() if i in kept}
+    m = mf.read(bundle)
+    loop = m.programs[name].blocks
+    used = set()
+    for part in ("", "block", "tail") if loop is not None else ("",):
+        exp = load_program(bundle, m, name, part)
+        (weights, *_), _ = jax.tree.unflatten(exp.in_tree, list(range(len(exp.in_avals))))
+        kept = {k for k, i in weights.items() if i in set(exp.module_kept_var_idx)}
+        # block i reads "<prefix><i>.<name>" for each name the block program reads
+        used |= {f"{loop.prefix}{i}.{k}" for k in kept for i in range(loop.layers)} if part == "block" else kept
+    return used
 
 
 def test_steps_take_the_prompts_keys_and_values_instead_of_projecting_them(kind_bundles) -> None:

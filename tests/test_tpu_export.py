@@ -64,6 +64,22 @@ def _weight_specs(exp: jax.export.Exported) -> dict[str, PartitionSpec | None]:
     return {k: None if s is None else s.spec for k, s in weights.items()}
 
 
+def _program_specs(bundle: Path, prog: mf.ProgramSpec) -> dict[str, PartitionSpec | None]:
+    """`_weight_specs` of a program, its block loop included: a block's tensors as its block program shards them
+    (block i takes "blocks.<i>.<name>"), the others as its head or tail does."""
+    specs = _weight_specs(_program(bundle, prog.file))
+    if prog.blocks is None:
+        return specs
+    specs.update({k: v for k, v in _weight_specs(_program(bundle, prog.blocks.tail.file)).items() if v is not None})
+    block = _weight_specs(_program(bundle, prog.blocks.block.file))
+    for tensor in specs:
+        if tensor.startswith(prog.blocks.prefix):
+            index, name = tensor.removeprefix(prog.blocks.prefix).split(".", 1)
+            assert int(index) < prog.blocks.layers and specs[tensor] is None, tensor  # only the block program
+            specs[tensor] = block[name]
+    return specs
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path], case: str) -> None:
     arch, _, target, devices, heads, frames = CASES[case]
@@ -78,12 +94,18 @@ def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path
     denoise = {kinds.denoise_program(e, v) for e in range(kind.experts) for v in kinds.DENOISE_VARIANTS
                if v != "cached"}
     for name, spec in m.programs.items():
-        exp = jax.export.deserialize(bytearray((tpu_bundles[case] / spec.file).read_bytes()))
-        assert exp.platforms == ("tpu",) and exp.nr_devices == devices
-        mesh = next(s for s in exp._in_named_shardings if s is not None).mesh
-        assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == m.target.mesh
-        assert mesh.abstract_device.device_kind == "TPU v6 lite"
-        assert ("tpu_custom_call" in exp.mlir_module()) == (name in denoise)
+        # a denoise step attends in its block program (run once per block), not in its head and tail
+        files = [(spec.file, name in denoise and spec.blocks is None)]
+        if spec.blocks is not None:
+            assert name in denoise and spec.blocks.layers == m.source["config"]["transformer"]["num_layers"]
+            files += [(spec.blocks.block.file, True), (spec.blocks.tail.file, False)]
+        for file, attends in files:
+            exp = jax.export.deserialize(bytearray((tpu_bundles[case] / file).read_bytes()))
+            assert exp.platforms == ("tpu",) and exp.nr_devices == devices
+            mesh = next(s for s in exp._in_named_shardings if s is not None).mesh
+            assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == m.target.mesh
+            assert mesh.abstract_device.device_kind == "TPU v6 lite"
+            assert ("tpu_custom_call" in exp.mlir_module()) == attends, (name, file)
 
 
 def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> None:
@@ -125,7 +147,7 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
     m = mf.read(bundle)
     layers = m.source["config"].get("image_encoder", {}).get("num_hidden_layers")
     for name, prog in m.programs.items():
-        specs = _weight_specs(_program(bundle, prog.file))
+        specs = _program_specs(bundle, prog)
         wf = m.weights[prog.weights]
         assert set(specs) == set(wf.tensors)
         # The VAE's decode programs don't use its encoder, nor encode programs its decoder.
@@ -142,7 +164,7 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
             want = sharding.partition(FAMILIES[prog.weights], tensor, wf.tensors[tensor].shape, m.target.mesh)
             assert want == partition_spec(wf.partition[tensor]), (name, tensor)
             assert spec in (want, None), (name, tensor)
-    dit = _weight_specs(_program(bundle, "denoise_step"))
+    dit = _program_specs(bundle, m.programs["denoise_step"])
     assert dit["blocks.0.attn1.to_q.weight"] == PartitionSpec("tp")  # column-parallel
     assert dit["blocks.0.attn2.to_out.0.weight"] == PartitionSpec(None, "tp")  # row-parallel
     assert dit["blocks.0.ffn.net.0.proj.weight"] == PartitionSpec("tp")

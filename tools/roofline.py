@@ -149,7 +149,7 @@ def compile_child(bundle: str) -> dict[str, Any]:
 
     m = mf.read(Path(bundle))
     b = Bundle(path=Path(bundle), manifest=m, mesh=make_mesh(m.target))
-    compiled = b.compile("denoise_step")
+    compiled = b.compile_whole("denoise_step")
     hlo = compiled.as_text()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

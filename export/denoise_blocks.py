@@ -1,0 +1,102 @@
+"""A denoise step as three programs, so that the transformer block's compiled code exists once, not once per block:
+
+    head(weights, *step inputs) -> (hidden, temb, rope)        the step up to the first block: conditioning,
+                                                               patch and time embeddings, RoPE tables (stacked)
+    block(block weights, hidden, temb, rope, kv, layer)        one transformer block, its cross-attention keys
+        -> hidden                                              and values taken from `kv` at index `layer`; the
+                                                               host runs it once per block with that block's weights
+    tail(weights, *step inputs, hidden) -> the step's outputs  the step after the last block: output norm and
+                                                               projection, guidance, the UniPC update (and
+                                                               MagCache's residual, last block's output minus
+                                                               first block's input)
+
+The three run what the one-program step (export/denoise.py) runs, on the same values. Why split: XLA compiles
+every unrolled block of a one-program step into its own code. On CPU that is 30 copies at the 1.3B widths:
+loading the step's executable from the compilation cache took about 1 s and its first run 1.8-2.2 s longer
+than later runs (XLA's YNNPACK fusions build their executables on first execution, one after another); as
+one block program, 0.05 s and 0.3 s, the steady step unchanged (tools/bench_blocks.py, BENCHMARKS.md). Every
+target compiles 1/L of the code (a 14B step on a TPU host: one block instead of 40).
+
+The head and tail trace the whole step with the blocks replaced (export/block_cache.py): the head returns what
+the first block would have been called with, the tail feeds the given hidden states out of the last block.
+What they compute but do not return is dropped by the compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import block_cache, cross_kv
+from .trace import Extracted
+
+BLOCK_PREFIX = "blocks."  # block i of the DiT takes the group's tensors "blocks.<i>.<name>"
+
+
+@dataclass
+class Carry:
+    """What the head hands the blocks, as the head's trace found it: the blocks' (zero-width) text placeholder
+    and whether diffusers passes RoPE as a tuple (cos, sin) or one tensor."""
+
+    placeholder: tuple[tuple[int, ...], Any] | None = None  # (shape, dtype)
+    rope_tuple: bool = True
+    seen: bool = field(default=False)
+
+
+HEAD_OUTPUTS = ["hidden", "temb", "rope"]
+
+
+def head(ex: Extracted, step: Callable[..., Any], carry: Carry) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, *step inputs) -> (hidden, temb, rope): the first block's arguments (RoPE's tables stacked)."""
+
+    def fn(weights: dict[str, Any], *inputs: jax.Array) -> tuple[jax.Array, ...]:
+        box: dict[str, Any] = {}
+
+        def first(hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_emb: Any) -> Any:
+            box["args"] = (hidden_states, encoder_hidden_states, temb, rotary_emb)
+            return hidden_states
+
+        with block_cache.replace(ex.module, first):
+            step(weights, *inputs)
+        hidden, text, temb, rope = ex.env.t2j_iso(box["args"])
+        carry.placeholder = (tuple(text.shape), text.dtype)
+        carry.rope_tuple = isinstance(rope, (tuple, list))
+        carry.seen = True
+        return hidden, temb, jnp.stack(rope if carry.rope_tuple else [rope])
+
+    return fn
+
+
+def block(ex_block: Extracted, carry: Carry, image: bool) -> Callable[..., jax.Array]:
+    """fn(block weights, hidden, temb, rope, kv, layer) -> hidden: one block of the DiT whose block 0 `ex_block`
+    extracts (weights named as inside the block). `image`: the model has a CLIP image embedder (its keys and values
+    lead each row of kv). Export it after a head, whose trace fills `carry`."""
+    if not carry.seen:
+        raise AssertionError("export the head before the block program")
+
+    def fn(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
+           layer: jax.Array) -> jax.Array:
+        mine = jax.lax.dynamic_index_in_dim(kv, layer, 0, keepdims=False)  # (2, 2B, heads, S, head_dim)
+        mine = mine[:, : hidden.shape[0]]  # a cond-only step runs the prompt's B (denoise.build)
+        shape, dtype = carry.placeholder
+        rotary = tuple(rope) if carry.rope_tuple else rope[0]  # tuple(array) splits the stacked axis
+        with cross_kv.block_precomputed(ex_block.module, ex_block.env, mine, image):
+            return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), {})
+
+    return fn
+
+
+def tail(ex: Extracted, step: Callable[..., Any]) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, *step inputs, hidden) -> the step's outputs, `hidden` coming out of the last block."""
+
+    def fn(weights: dict[str, Any], *args: jax.Array) -> tuple[jax.Array, ...]:
+        *inputs, hidden = args
+        out = ex.env.j2t_iso(hidden)
+        with block_cache.replace(ex.module, lambda hidden_states, *a, **k: out):
+            return step(weights, *inputs)
+
+    return fn
