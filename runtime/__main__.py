@@ -285,9 +285,10 @@ def warm(args: argparse.Namespace) -> int:
 
     bundle = open_bundle(args.bundle)
     log = logging.getLogger("runtime")
-    for name in bundle.manifest.programs:
+    for name, spec in bundle.manifest.programs.items():
         t = time.perf_counter()
-        bundle.compile(name)
+        for part in spec.parts:  # a block loop's head, block and tail
+            bundle.compile(name, part)
         log.info("compiled %s in %.1f s", name, time.perf_counter() - t)
     from .pipeline import Pipeline
 

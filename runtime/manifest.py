@@ -121,6 +121,11 @@ class ProgramSpec:
     outputs: dict[str, TensorSpec]
     blocks: BlockLoop | None = None
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """"" (the program's own file), then "block" and "tail" for a block loop."""
+        return ("", "block", "tail") if self.blocks is not None else ("",)
+
     def files(self) -> list[FileRef]:
         """The program's files: its own, and its block and tail programs."""
         return [FileRef(self.file, self.sha256)] + ([self.blocks.block, self.blocks.tail] if self.blocks else [])

@@ -115,7 +115,7 @@ def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:
         for file in ref.files():
             mf.check_file(path, file)
         exp = load_program(path, m, name)
-        last = load_program(path, m, name, "tail") if ref.blocks is not None else exp  # a block loop's results
+        last = load_program(path, m, name, ref.parts[-1])  # a block loop's results are its tail's
     except (BundleError, OSError) as e:
         return {"error": str(e)}
     n_weights = len(m.weights[ref.weights].tensors)

@@ -109,8 +109,7 @@ def _check_programs(path: Path, m: mf.Manifest) -> list[Check]:
 
     out: list[Check] = []
     conventions = set()
-    parts = [(name, part) for name, spec in m.programs.items() for part in ("", "block", "tail")
-             if not part or spec.blocks is not None]
+    parts = [(name, part) for name, spec in m.programs.items() for part in spec.parts]
     for name, part in parts:
         try:
             exp = load_program(path, m, name, part)
