@@ -134,6 +134,12 @@ def build(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:
     return kv
 
 
+def _returns(sub: Any, value: Any, patched: list[Any]) -> None:
+    """Make submodule `sub` return `value` (an instance attribute shadows the class's forward); noted in `patched`."""
+    sub.forward = lambda *args, **kwargs: value
+    patched.append(sub)
+
+
 @contextlib.contextmanager
 def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Iterator[None]:
     """While active, the DiT's blocks take their cross-attention keys and values from `kv` (layers, 2, N, heads, S,
@@ -145,16 +151,12 @@ def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Itera
     emb = module.condition_embedder
     patched: list[Any] = []
 
-    def returns(sub: Any, value: Any) -> None:
-        sub.forward = lambda *args, **kwargs: value  # an instance attribute shadows the class's forward
-        patched.append(sub)
-
     def placeholder(tokens: int) -> Any:
         return env.j2t_iso(jnp.zeros((n, tokens, 0), kv.dtype))
 
-    returns(emb.text_embedder, placeholder(text_tokens))
+    _returns(emb.text_embedder, placeholder(text_tokens), patched)
     if emb.image_embedder is not None:
-        returns(emb.image_embedder, placeholder(s - text_tokens))
+        _returns(emb.image_embedder, placeholder(s - text_tokens), patched)
     try:
         with contextlib.ExitStack() as stack:
             for i, block in enumerate(module.blocks):
@@ -174,20 +176,16 @@ def block_precomputed(block: Any, env: Any, kv: jax.Array, image: bool) -> Itera
     a = block.attn2
     patched: list[Any] = []
 
-    def returns(sub: Any, value: Any) -> None:
-        sub.forward = lambda *args, **kwargs: value  # an instance attribute shadows the class's forward
-        patched.append(sub)
-
     def rows(x: jax.Array) -> Any:  # (N, heads, S, head_dim) -> the projections' (N, S, inner)
         return env.j2t_iso(jnp.swapaxes(x, 1, 2).reshape(n, x.shape[2], x.shape[1] * x.shape[3]))
 
-    returns(a.to_k, rows(kv[0, :, :, n_img:]))
-    returns(a.to_v, rows(kv[1, :, :, n_img:]))
+    _returns(a.to_k, rows(kv[0, :, :, n_img:]), patched)
+    _returns(a.to_v, rows(kv[1, :, :, n_img:]), patched)
     a.norm_k.forward = lambda x: x
     patched.append(a.norm_k)
     if a.add_k_proj is not None:
-        returns(a.add_k_proj, rows(kv[0, :, :, :n_img]))
-        returns(a.add_v_proj, rows(kv[1, :, :, :n_img]))
+        _returns(a.add_k_proj, rows(kv[0, :, :, :n_img]), patched)
+        _returns(a.add_v_proj, rows(kv[1, :, :, :n_img]), patched)
         a.norm_added_k.forward = lambda x: x
         patched.append(a.norm_added_k)
     try:

@@ -25,7 +25,7 @@ What they compute but do not return is dropped by the compiler.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -42,9 +42,8 @@ class Carry:
     """What the head hands the blocks, as the head's trace found it: the blocks' (zero-width) text placeholder
     and whether diffusers passes RoPE as a tuple (cos, sin) or one tensor."""
 
-    placeholder: tuple[tuple[int, ...], Any] | None = None  # (shape, dtype)
+    placeholder: tuple[tuple[int, ...], Any] | None = None  # (shape, dtype); None until a head is traced
     rope_tuple: bool = True
-    seen: bool = field(default=False)
 
 
 HEAD_OUTPUTS = ["hidden", "temb", "rope"]
@@ -65,7 +64,6 @@ def head(ex: Extracted, step: Callable[..., Any], carry: Carry) -> Callable[...,
         hidden, text, temb, rope = ex.env.t2j_iso(box["args"])
         carry.placeholder = (tuple(text.shape), text.dtype)
         carry.rope_tuple = isinstance(rope, (tuple, list))
-        carry.seen = True
         return hidden, temb, jnp.stack(rope if carry.rope_tuple else [rope])
 
     return fn
@@ -75,7 +73,7 @@ def block(ex_block: Extracted, carry: Carry, image: bool) -> Callable[..., jax.A
     """fn(block weights, hidden, temb, rope, kv, layer) -> hidden: one block of the DiT whose block 0 `ex_block`
     extracts (weights named as inside the block). `image`: the model has a CLIP image embedder (its keys and values
     lead each row of kv). Export it after a head, whose trace fills `carry`."""
-    if not carry.seen:
+    if carry.placeholder is None:
         raise AssertionError("export the head before the block program")
 
     def fn(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,

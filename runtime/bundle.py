@@ -144,21 +144,13 @@ class Bundle:
 
         if loop is None:
             return run
-        # Head, then the block program once per block with that block's tensors, then the tail (manifest.BlockLoop).
-        block_exp = self.program(name, "block")
-        (block_avals, *_), _ = jax.tree.unflatten(block_exp.in_tree, block_exp.in_avals)
-        per_block = [{k: weights[f"{loop.prefix}{i}.{k}"] for k in block_avals} for i in range(loop.layers)]
+        per_block, shared = self._block_loop(name, weights)
         layer_sharding = self.input_shardings(name, "block")[-1]
         layers = [put(np.int32(i), layer_sharding) for i in range(loop.layers)]
-        order = signatures.call_order(name, kinds.get(self.manifest.kind), self.manifest.programs[name]).inputs
-        shared = [order.index(n) for n in loop.shared]
 
         def run_blocks(*args: Any) -> Any:
             placed = [place(a, s) for a, s in zip(args, shardings)]
-            hidden, *carried = compiled(weights, *placed)
-            for i in range(loop.layers):
-                hidden = block(per_block[i], hidden, *carried, *[placed[j] for j in shared], layers[i])
-            return tail(weights, *placed, hidden)
+            return run_block_loop(compiled, block, tail, weights, per_block, layers, placed, shared)
 
         return run_blocks
 
@@ -277,19 +269,24 @@ class Bundle:
         head = self.program(name)
         if spec.blocks is None:
             return head.call
-        loop, block, tail = spec.blocks, self.program(name, "block"), self.program(name, "tail")
-        (names, *_), _ = jax.tree.unflatten(block.in_tree, block.in_avals)
-        order = signatures.call_order(name, kinds.get(self.manifest.kind), spec).inputs
-        shared = [order.index(n) for n in loop.shared]
+        block, tail = self.program(name, "block").call, self.program(name, "tail").call
+        layers = [np.int32(i) for i in range(spec.blocks.layers)]
 
         def fn(weights: dict[str, Any], *inputs: Any) -> Any:
-            hidden, *carried = head.call(weights, *inputs)
-            for i in range(loop.layers):
-                mine = {k: weights[f"{loop.prefix}{i}.{k}"] for k in names}
-                hidden = block.call(mine, hidden, *carried, *[inputs[j] for j in shared], np.int32(i))
-            return tail.call(weights, *inputs, hidden)
+            per_block, shared = self._block_loop(name, weights)
+            return run_block_loop(head.call, block, tail, weights, per_block, layers, inputs, shared)
 
         return fn
+
+    def _block_loop(self, name: str, weights: dict[str, Any]) -> tuple[list[dict[str, Any]], list[int]]:
+        """For block loop `name`: each block's tensors from the group's `weights`, named as the block program
+        names them, and the positions of the loop's shared inputs among the program's inputs."""
+        spec = self.manifest.programs[name]
+        exp = self.program(name, "block")
+        (names, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        per_block = [{k: weights[f"{spec.blocks.prefix}{i}.{k}"] for k in names} for i in range(spec.blocks.layers)]
+        order = signatures.call_order(name, kinds.get(self.manifest.kind), spec).inputs
+        return per_block, [order.index(n) for n in spec.blocks.shared]
 
     def compile_whole(self, name: str) -> Any:
         """`compile`, but a block loop's parts as one XLA program (what tools/roofline.py analyses)."""
@@ -321,6 +318,17 @@ def tensor_mismatch(f: Any, present: set[str], name: str, want_shape: tuple[int,
         sl = f.get_slice(name)
         entry = wio.Entry(name, safetensors_dtype(sl.get_dtype()), tuple(sl.get_shape()), 0, 0)
     return entry_mismatch(entry, name, want_shape, want_dtype, label, who)
+
+
+def run_block_loop(head: Callable[..., Any], block: Callable[..., Any], tail: Callable[..., Any],
+                   weights: dict[str, Any], per_block: list[dict[str, Any]], layers: list[Any], inputs: list[Any],
+                   shared: list[int]) -> Any:
+    """Head, then the block program once per block with that block's tensors and index, then the tail
+    (manifest.BlockLoop)."""
+    hidden, *carried = head(weights, *inputs)
+    for mine, layer in zip(per_block, layers, strict=True):
+        hidden = block(mine, hidden, *carried, *[inputs[j] for j in shared], layer)
+    return tail(weights, *inputs, hidden)
 
 
 def partition_spec(data: list[Any]) -> PartitionSpec:
