@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from . import sharding
 from .flash_tpu import FlashBlocks, flash_attention
@@ -66,8 +66,10 @@ def _direct(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, sc
     return jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32))
 
 
-def _blocked(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, block_q: int, block_kv: int) -> jax.Array:
-    """Online-softmax attention over kv blocks, one q block at a time (no mask)."""
+def _blocked(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, block_q: int, block_kv: int,
+             key_bias: jax.Array | None = None) -> jax.Array:
+    """Online-softmax attention over kv blocks, one q block at a time (`key_bias`: added to every query's
+    score of each key, see `attention`)."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     bq, bk = min(block_q, sq), min(block_kv, sk)
@@ -77,16 +79,16 @@ def _blocked(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, block_q: in
     v = jnp.pad(v, ((0, 0), (0, 0), (0, nk * bk - sk), (0, 0)))
     kb = k.reshape(b, h, nk, bk, d).transpose(2, 0, 1, 3, 4)
     vb = v.reshape(b, h, nk, bk, dv).transpose(2, 0, 1, 3, 4)
-    valid = (jnp.arange(nk * bk) < sk).reshape(nk, bk)
+    bias = jnp.zeros((sk,), jnp.float32) if key_bias is None else key_bias.astype(jnp.float32)
+    bias = jnp.pad(bias, (0, nk * bk - sk), constant_values=_MASKED).reshape(nk, bk)  # padded keys masked
 
     def one_q_block(qi: jax.Array) -> jax.Array:
         qi = qi.astype(jnp.float32) * scale
 
         def step(carry: tuple, blk: tuple) -> tuple:
             m, l, acc = carry
-            kj, vj, ok = blk
-            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj.astype(jnp.float32))
-            s = jnp.where(ok[None, None, None, :], s, _MASKED)
+            kj, vj, bj = blk
+            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj.astype(jnp.float32)) + bj
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -96,7 +98,7 @@ def _blocked(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, block_q: in
 
         init = (jnp.full((b, h, bq), _MASKED, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
                 jnp.zeros((b, h, bq, dv), jnp.float32))
-        (m, l, acc), _ = lax.scan(step, init, (kb, vb, valid))
+        (m, l, acc), _ = lax.scan(step, init, (kb, vb, bias))
         return acc / l[..., None]
 
     qb = q.reshape(b, h, nq, bq, d).transpose(2, 0, 1, 3, 4)
@@ -110,7 +112,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, attn_mask: jax
               mesh: AbstractMesh | None = None) -> jax.Array:
     """`F.scaled_dot_product_attention` semantics on (B, H, S, D) arrays, fp32 accumulation.
 
-    With `mesh` (the DiT), unmasked attention runs sharded over the mesh (see module doc).
+    With `mesh` (the DiT), unmasked attention runs sharded over the mesh (see module doc), and so does attention
+    whose float mask is one bias per key, (1, 1, 1, S_kv) (the cross-attention of export/cross_kv.py's keys and
+    values over a short prompt): that bias is added to the scores block by block, never broadcast to their shape.
     """
     q, k, v = query, key, value
     if dropout_p:
@@ -126,30 +130,36 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, attn_mask: jax
     if is_causal:
         causal = jnp.where(jnp.tril(jnp.ones((sq, sk), jnp.bool_)), 0.0, _MASKED)
         bias = causal if bias is None else bias + causal
+    key_bias = None
+    if bias is not None and bias.ndim == 4 and bias.shape[:3] == (1, 1, 1):
+        key_bias, bias = bias.reshape(-1), None  # the same for every query: no score matrix-sized mask
     if bias is not None:
         return _direct(q, k, v, bias, scale).astype(q.dtype)
     if mesh is not None:
-        return _sharded(q, k, v, scale, config, mesh)
-    return _local(q, k, v, scale, config)
+        return _sharded(q, k, v, scale, config, mesh, key_bias)
+    return _local(q, k, v, key_bias, scale, config)
 
 
-def _local(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: AttentionConfig) -> jax.Array:
-    """Unmasked attention on one device's arrays."""
+def _local(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None, scale: float,
+           config: AttentionConfig) -> jax.Array:
+    """Attention on one device's arrays, unmasked but for an optional bias per key."""
     if config.kernel == "pallas":
+        if key_bias is not None:
+            raise NotImplementedError("the TPU flash kernel takes no attention bias")
         return flash_attention(q, k, v, scale=scale, blocks=config.flash, k_smoothing=config.k_smoothing)
     if q.shape[-2] * k.shape[-2] <= config.direct_limit:
-        out = _direct(q, k, v, None, scale)
+        out = _direct(q, k, v, key_bias, scale)
     else:
-        out = _blocked(q, k, v, scale, config.block_q, config.block_kv)
+        out = _blocked(q, k, v, scale, config.block_q, config.block_kv, key_bias)
     return out.astype(q.dtype)
 
 
 def _sharded(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: AttentionConfig,
-             mesh: AbstractMesh) -> jax.Array:
+             mesh: AbstractMesh, key_bias: jax.Array | None = None) -> jax.Array:
     """DiT attention inside shard_map: self-attention split on heads (tp) and queries (the layout's sequence
     axes, sp); cross-attention (kv length != q length) on queries over (tp, sequence axes) with K/V whole,
-    queries padded to divide. The layout is the traced program's (export/sharding.py `current_layout`)."""
-    local = functools.partial(_local, scale=scale, config=config)
+    queries padded to divide. The layout is the traced program's (export/sharding.py `current_layout`).
+    A `key_bias` goes whole to every device, as K/V do."""
     sq = q.shape[2]
     layout = sharding.current_layout()
     if k.shape[2] == sq:
@@ -158,8 +168,14 @@ def _sharded(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, config: Att
         q_spec, kv_spec = layout.cross_q, layout.cross_kv
         split = layout.query_split(mesh)
         q = jnp.pad(q, ((0, 0), (0, 0), (0, -sq % split), (0, 0)))
-    out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                        check_vma=False)(q, k, v)
+    if key_bias is None:
+        local = functools.partial(_local, key_bias=None, scale=scale, config=config)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                            check_vma=False)(q, k, v)
+    else:
+        local = functools.partial(_local, scale=scale, config=config)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec()),
+                            out_specs=q_spec, check_vma=False)(q, k, v, key_bias)
     return out[:, :, :sq]
 
 

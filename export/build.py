@@ -238,6 +238,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             del module, ex
             gc.collect()
 
+            # Keys and values over a short prompt's rows (export/cross_kv.py): CPU targets, where cross-attention
+            # over 512 rows is a tenth of a small video's step; elsewhere as before (the TPU kernel takes no bias).
+            short_rows = kinds.short_text_lengths(L) if s.target.platform == "cpu" else ()
             image_tokens = None
             if kind.image_encoder:
                 cfg = src.image_encoder_config or {}
@@ -257,6 +260,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                     add_program(kinds.cross_kv_program(0), group,
                                 cross_kv.build(ex, model_dtype),
                                 kv_inputs(kind, geo, image_tokens), ["kv"])
+                    for t in short_rows:
+                        add_program(kinds.cross_kv_program(0, t), group, cross_kv.build(ex, model_dtype, L - t),
+                                    kv_inputs(kind, geo, image_tokens, t), ["kv"])
                     block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
                     export_denoise(src, ex, block, kind, geo, s.target, order, model_dtype,
                                    conditioning_inputs(kind, geo), add_program, write_program, programs)
@@ -264,7 +270,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
                         raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
-                    names = [(kinds.cross_kv_program(e), kinds.cross_kv_program(0))]
+                    names = [(kinds.cross_kv_program(e, t), kinds.cross_kv_program(0, t)) for t in (None, *short_rows)]
                     names += [(kinds.denoise_program(e, v), kinds.denoise_program(0, v)) for v in kinds.DENOISE_VARIANTS]
                     for name, like in names:
                         programs[name] = dataclasses.replace(programs[like], weights=group)
@@ -320,12 +326,13 @@ def conditioning_inputs(kind: Kind, geo: Geometry) -> dict[str, TensorSpec]:
     return {name: TensorSpec(shapes[name], "float32") for name in kind.conditioning_inputs}
 
 
-def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None) -> dict[str, TensorSpec]:
-    """The cross_kv programs' inputs (kind.kv_inputs): the prompt's then the negative prompt's embeddings, and
-    for CLIP kinds the image embeddings. `image_tokens` is the CLIP stage's output shape (n_images, tokens, dim);
-    the DiT takes diffusers' layout, the images of each video in turn (B x n_images, tokens, dim), and FLF2V's
-    embedder pairs them up itself."""
-    shapes = {"context": (2 * geo.batch, geo.max_sequence_length, geo.text_dim),
+def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None,
+              text_rows: int | None = None) -> dict[str, TensorSpec]:
+    """The cross_kv programs' inputs (kind.kv_inputs): the prompt's then the negative prompt's embeddings (their
+    first `text_rows` rows for a short prompt's program), and for CLIP kinds the image embeddings. `image_tokens`
+    is the CLIP stage's output shape (n_images, tokens, dim); the DiT takes diffusers' layout, the images of each
+    video in turn (B x n_images, tokens, dim), and FLF2V's embedder pairs them up itself."""
+    shapes = {"context": (2 * geo.batch, text_rows or geo.max_sequence_length, geo.text_dim),
               "image_embeds": (geo.batch * image_tokens[0], *image_tokens[1:]) if image_tokens else ()}
     return {name: TensorSpec(shapes[name], "float32") for name in kind.kv_inputs}
 
@@ -334,19 +341,22 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                    order: int, model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any, write_program: Any,
                    programs: dict[str, ProgramSpec]) -> None:
     """The first expert's denoise programs, one per variant (kinds.DENOISE_VARIANTS), each traced with the DiT
-    layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one. All take the
-    cross_kv program's keys and values (exported before them), replicated: the cross-attention layout wants
-    them whole on every device (export/attention.py).
+    layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one. Those that run the
+    blocks take the cross_kv program's keys and values (exported before them), replicated: the cross-attention
+    layout wants them whole on every device (export/attention.py).
 
     A variant that runs the transformer blocks runs them as one block program per batch size, called once per
     block (export/denoise_blocks.py; `block` extracts block 0 of the DiT): the program's own file is the head,
-    and its tail is listed beside it. MagCache's cached step runs no block and stays one program."""
+    and its tail is listed beside it; with cross_kv_t<T> programs, a block program per T too, for their keys and
+    values. MagCache's cached step runs no block and stays one program, taking no kv."""
     patch = tuple(src.transformer_config["patch_size"][1:])
     L = geo.max_sequence_length
     kv = programs[kinds.cross_kv_program(0)].outputs["kv"]
+    short_kv = {t: programs[kinds.cross_kv_program(0, t)].outputs["kv"] for t in kinds.short_text_lengths(L)
+                if kinds.cross_kv_program(0, t) in programs}
     tokens = dit_shape(src, geo).tokens
     layers = len(ex.module.blocks)
-    block_files: dict[int, FileRef] = {}  # by batch
+    block_files: dict[tuple[int, int], FileRef] = {}  # by (batch, text rows; L: the whole text)
     tensors = {k: f"{denoise_blocks.BLOCK_PREFIX}0.{k}" for k in block.weights}
     for v in kinds.DENOISE_VARIANTS.values():
         batch = (2 if v.cfg else 1) * geo.batch
@@ -367,26 +377,31 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
             outputs.append("residual")
             out_partition.append(layout.hidden)
         with sharding.use_layout(layout):
+            # What runs no block takes no kv: the whole step is traced with zeros there, which nothing reads.
             step = denoise.build(ex, order, model_dtype, kind, L, patch, v)
+            no_kv, without_kv = denoise.without_kv(step, kv), {k: t for k, t in inputs.items() if k != "kv"}
             if v.residual == "in":
-                add_program(name, "transformer", step, inputs, outputs, {"residual": layout.hidden},
+                add_program(name, "transformer", no_kv, without_kv, outputs, {"residual": layout.hidden},
                             tuple(out_partition))
                 continue
             carry = denoise_blocks.Carry()
             hidden = layout.hidden
-            head, carried = write_program(name, "transformer", denoise_blocks.head(ex, step, carry), inputs,
-                                          denoise_blocks.HEAD_OUTPUTS, output_partition=(hidden, PartitionSpec(),
-                                                                                          PartitionSpec()))
-            if batch not in block_files:  # one block program per batch size, shared by the variants
-                block_files[batch], _ = write_program(
-                    f"denoise_block_{batch}", "transformer", denoise_blocks.block(block, carry, kind.image_encoder),
-                    {**carried, "kv": kv, "layer": TensorSpec((), "int32")}, ["hidden"], {"hidden": hidden}, hidden,
-                    tensors)
-            tail, outs = write_program(f"{name}_tail", "transformer", denoise_blocks.tail(ex, step),
-                                       {**inputs, "hidden": carried["hidden"]}, outputs,
+            head, carried = write_program(name, "transformer", denoise_blocks.head(ex, no_kv, carry), without_kv,
+                                          denoise_blocks.HEAD_OUTPUTS,
+                                          output_partition=(hidden, PartitionSpec(), PartitionSpec()))
+            for t, t_kv in [(L, kv), *short_kv.items()]:  # one block program per batch size, shared by the variants
+                if (batch, t) not in block_files:
+                    suffix = "" if t == L else f"_t{t}"
+                    block_files[batch, t], _ = write_program(
+                        f"denoise_block_{batch}{suffix}", "transformer",
+                        denoise_blocks.block(block, carry, kind.image_encoder, L - t),
+                        {**carried, "kv": t_kv, "layer": TensorSpec((), "int32")}, ["hidden"], {"hidden": hidden},
+                        hidden, tensors)
+            tail, outs = write_program(f"{name}_tail", "transformer", denoise_blocks.tail(ex, no_kv),
+                                       {**without_kv, "hidden": carried["hidden"]}, outputs,
                                        {"residual": hidden, "hidden": hidden}, tuple(out_partition))
-            loop = BlockLoop(block=block_files[batch], tail=tail, layers=layers, prefix=denoise_blocks.BLOCK_PREFIX,
-                             shared=("kv",))
+            loop = BlockLoop(block=block_files[batch, L], tail=tail, layers=layers, prefix=denoise_blocks.BLOCK_PREFIX,
+                             shared=("kv",), short_blocks={str(t): block_files[batch, t] for t in short_kv})
             programs[name] = ProgramSpec(file=head.file, sha256=head.sha256, weights="transformer", inputs=inputs,
                                          outputs=outs, blocks=loop)
 

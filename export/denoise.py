@@ -108,3 +108,13 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         return new_state, finite
 
     return step
+
+
+def without_kv(step: Callable[..., tuple[jax.Array, ...]], kv: Any) -> Callable[..., tuple[jax.Array, ...]]:
+    """`step` without its kv input, for what runs no transformer block (a block loop's head and tail, MagCache's
+    cached step): zeros of kv's spec (shape, dtype) stand in, and nothing reads them."""
+
+    def fn(weights: dict[str, Any], state: jax.Array, *rest: jax.Array) -> tuple[jax.Array, ...]:
+        return step(weights, state, jnp.zeros(kv.shape, kv.dtype), *rest)
+
+    return fn

@@ -69,12 +69,14 @@ def head(ex: Extracted, step: Callable[..., Any], carry: Carry) -> Callable[...,
     return fn
 
 
-def block(ex_block: Extracted, carry: Carry, image: bool) -> Callable[..., jax.Array]:
+def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0) -> Callable[..., jax.Array]:
     """fn(block weights, hidden, temb, rope, kv, layer) -> hidden: one block of the DiT whose block 0 `ex_block`
     extracts (weights named as inside the block). `image`: the model has a CLIP image embedder (its keys and values
-    lead each row of kv). Export it after a head, whose trace fills `carry`."""
+    lead each row of kv). `pad_rows`: kv is a short prompt's, its last row standing for that many zero rows
+    (cross_kv.build). Export it after a head, whose trace fills `carry`."""
     if carry.placeholder is None:
         raise AssertionError("export the head before the block program")
+    n_img = cross_kv.image_tokens(carry.placeholder[0][1]) if image else 0  # the placeholder spans all tokens
 
     def fn(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
            layer: jax.Array) -> jax.Array:
@@ -82,7 +84,7 @@ def block(ex_block: Extracted, carry: Carry, image: bool) -> Callable[..., jax.A
         mine = mine[:, : hidden.shape[0]]  # a cond-only step runs the prompt's B (denoise.build)
         shape, dtype = carry.placeholder
         rotary = tuple(rope) if carry.rope_tuple else rope[0]  # tuple(array) splits the stacked axis
-        with cross_kv.block_precomputed(ex_block.module, ex_block.env, mine, image):
+        with cross_kv.block_precomputed(ex_block.module, ex_block.env, mine, n_img, pad_rows):
             return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), {})
 
     return fn

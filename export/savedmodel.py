@@ -102,7 +102,13 @@ def convert(bundle: Path, out: Path, force: bool = False, validate: bool = False
     methods: dict[str, Any] = {}
     configs = []
     signatures: dict[str, Any] = {}
+    # The signatures take the whole text's keys and values (`cross_kv`'s); the short-prompt programs of CPU bundles
+    # (export/cross_kv.py) feed only the runtime's short block programs, which a signature does not run.
+    L = manifest.geometry.max_sequence_length
+    short = {kinds.cross_kv_program(e, t) for e in range(kind.experts) for t in kinds.short_text_lengths(L)}
     for name, spec in manifest.programs.items():
+        if name in short:
+            continue
         order = call_order(name, kind, spec)
         methods[name] = _method(b.traceable(name), spec.weights, order.inputs, order.outputs)
         inputs = {n: spec.inputs[n] for n in order.inputs}

@@ -287,7 +287,7 @@ def warm(args: argparse.Namespace) -> int:
     log = logging.getLogger("runtime")
     for name, spec in bundle.manifest.programs.items():
         t = time.perf_counter()
-        for part in spec.parts:  # a block loop's head, block and tail
+        for part in spec.parts:  # a block loop's head, blocks (one per prompt length) and tail
             bundle.compile(name, part)
         log.info("compiled %s in %.1f s", name, time.perf_counter() - t)
     from .pipeline import Pipeline

@@ -73,6 +73,8 @@ class Bundle:
     checker: Checker | None = None  # None: opened with verify=False
     _calls: dict[str, Future] = field(default_factory=dict)
     _programs: dict[str, Future] = field(default_factory=dict)
+    _parts: dict[str, Future] = field(default_factory=dict)  # compiled block loop parts, by "<program>:<part>"
+    _part_of: dict[tuple[Any, ...], str] = field(default_factory=dict)  # (program, shared shapes) -> block part
     _weights: dict[str, Future] = field(default_factory=dict)
     _layouts: dict[str, Future] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,8 +99,8 @@ class Bundle:
         return fut.result()
 
     def program(self, name: str, part: str = "") -> Any:
-        """The deserialized program `name`; with `part` ("block" or "tail"), that part of its block loop
-        (manifest.BlockLoop; the program's own file is the head)."""
+        """The deserialized program `name`; with `part` ("block", "tail" or "block_t<T>"), that part of its block
+        loop (manifest.BlockLoop; the program's own file is the head)."""
         if name not in self.manifest.programs:
             raise BundleError(f"bundle has no program {name!r}: re-export it")
         key = f"{name}:{part}" if part else name
@@ -125,34 +127,56 @@ class Bundle:
         # Compiled ahead of time, here (the first call runs at once; a server is ready only after this), from the
         # weights' shapes and shardings alone, while the weights are read and placed beside it: on a first start
         # XLA's compile and the read from disk each take seconds. One process: multi-host jobs keep one order.
+        # A block loop's block programs compile on first use (`compiled_part`): a run needs the one for its prompt.
         loop = self.manifest.programs[name].blocks
         with ThreadPoolExecutor(1, thread_name_prefix="wan-aot-weights") as loader:
             loading = loader.submit(self.weights, group, name) if jax.process_count() == 1 else None
             compiled = self._timed(f"compile {name}", self.compile, name)
             if loop is not None:
-                block = self._timed(f"compile {name}:block", self.compile, name, "block")
-                tail = self._timed(f"compile {name}:tail", self.compile, name, "tail")
+                tail = self.compiled_part(name, "tail")
             weights = loading.result() if loading is not None else self.weights(group, name)
-        shardings = self.input_shardings(name)
+        shardings = self.call_shardings(name)
 
         def place(a: Any, s: Any) -> jax.Array:
             a = put(a, s)
             return a if a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s)
 
+        if loop is not None:
+            per_block, shared = self._block_loop(name, weights)
+            layers = [put(np.int32(i), self.input_shardings(name, "block")[-1]) for i in range(loop.layers)]
+
         def run(*args: Any) -> Any:
-            return compiled(weights, *[place(a, s) for a, s in zip(args, shardings)])
+            placed = [place(a, s) for a, s in zip(args, shardings, strict=True)]
+            if loop is None:
+                return compiled(weights, *placed)
+            block = self.compiled_part(name, self.block_part(name, [placed[j] for j in shared]))
+            return run_block_loop(compiled, block, tail, weights, per_block, layers, placed, shared,
+                                  loop.head_takes_shared)
 
-        if loop is None:
-            return run
-        per_block, shared = self._block_loop(name, weights)
-        layer_sharding = self.input_shardings(name, "block")[-1]
-        layers = [put(np.int32(i), layer_sharding) for i in range(loop.layers)]
+        return run
 
-        def run_blocks(*args: Any) -> Any:
-            placed = [place(a, s) for a, s in zip(args, shardings)]
-            return run_block_loop(compiled, block, tail, weights, per_block, layers, placed, shared)
+    def compiled_part(self, name: str, part: str) -> Any:
+        """Part `part` of program `name`'s block loop, compiled (once)."""
+        key = f"{name}:{part}"
+        return self._once(self._parts, key, lambda: self._timed(f"compile {key}", self.compile, name, part))
 
-        return run_blocks
+    def block_part(self, name: str, shared: list[Any]) -> str:
+        """The part of block loop `name` whose block program takes `shared` inputs of these shapes: "block", or the
+        "block_t<T>" of a short prompt's keys and values (manifest.BlockLoop.short_blocks)."""
+        shapes = tuple(tuple(a.shape) for a in shared)
+        key = (name, shapes)
+        if key not in self._part_of:
+            for part in self.manifest.programs[name].parts:
+                if part not in ("", "tail"):
+                    exp = self.program(name, part)
+                    (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+                    if tuple(tuple(a.shape) for a in avals[-1 - len(shapes):-1]) == shapes:
+                        self._part_of[key] = part
+                        break
+            else:
+                raise BundleError(f"program {name!r} has no block program for inputs of shapes {list(shapes)}: "
+                                  "compute the keys and values with this bundle's cross_kv programs")
+        return self._part_of[key]
 
     def prefetch(self, names: list[str]) -> None:
         """Start loading, placing and compiling these programs in the background, in order, so that reading
@@ -177,8 +201,12 @@ class Bundle:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _quiet_call(self, name: str) -> None:
+        self._quiet(self.call, name)
+
+    @staticmethod
+    def _quiet(fn: Callable[..., Any], *args: Any) -> None:
         try:
-            self.call(name)
+            fn(*args)
         except BaseException:  # noqa: BLE001  (remembered; raised where the program is used)
             pass
 
@@ -195,6 +223,28 @@ class Bundle:
                     self._calls.pop(name, None)
                     if (task := self._queued.pop(name, None)) is not None:
                         task.cancel()  # still queued: loading it later would undo this (no-op once started)
+
+    def prefetch_part(self, name: str, part: str) -> None:
+        """Compile part `part` of block loop `name` in the background (`prefetch`'s pool), e.g. the block program
+        of a prompt's length while the prompt is encoded."""
+        if jax.process_count() != 1 or name not in self.manifest.programs:
+            return
+        with self._lock:
+            pool = self._pool
+        if pool is not None:
+            self._queued[f"{name}:{part}"] = pool.submit(self._quiet, self.compiled_part, name, part)
+
+    def call_shardings(self, name: str) -> list[Any]:
+        """Shardings of program `name`'s inputs as `call` takes them (a block loop's: its head's, and its blocks'
+        for the shared inputs)."""
+        shardings = self.input_shardings(name)
+        loop = self.manifest.programs[name].blocks
+        if loop is not None and not loop.head_takes_shared:
+            *block_in, _ = self.input_shardings(name, "block")
+            _, shared = self._block_loop(name, None)
+            for j, sh in zip(shared, block_in[len(block_in) - len(shared):]):
+                shardings.insert(j, sh)
+        return shardings
 
     def input_shardings(self, name: str, part: str = "") -> list[Any]:
         """Shardings of the program's (or its `part`'s) non-weight inputs, in order."""
@@ -256,7 +306,7 @@ class Bundle:
         spec = self.manifest.programs[name]
         layout = self.weight_layout(spec.weights, name)
         (w_avals, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-        if part == "block":  # block 0's tensors, named as the block program names them
+        if part not in ("", "tail"):  # a block program: block 0's tensors, named as the block program names them
             layout = {k: layout[f"{spec.blocks.prefix}0.{k}"] for k in w_avals}
         weights = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s) for k, (s, shape, dtype) in layout.items()}
         return [weights, *[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -274,23 +324,30 @@ class Bundle:
 
         def fn(weights: dict[str, Any], *inputs: Any) -> Any:
             per_block, shared = self._block_loop(name, weights)
-            return run_block_loop(head.call, block, tail, weights, per_block, layers, inputs, shared)
+            return run_block_loop(head.call, block, tail, weights, per_block, layers, inputs, shared,
+                                  spec.blocks.head_takes_shared)
 
         return fn
 
-    def _block_loop(self, name: str, weights: dict[str, Any]) -> tuple[list[dict[str, Any]], list[int]]:
-        """For block loop `name`: each block's tensors from the group's `weights`, named as the block program
-        names them, and the positions of the loop's shared inputs among the program's inputs."""
+    def _block_loop(self, name: str, weights: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[int]]:
+        """For block loop `name`: each block's tensors from the group's `weights` (if given), named as the block
+        program names them, and the positions of the loop's shared inputs among the program's inputs."""
         spec = self.manifest.programs[name]
         exp = self.program(name, "block")
         (names, *_), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-        per_block = [{k: weights[f"{spec.blocks.prefix}{i}.{k}"] for k in names} for i in range(spec.blocks.layers)]
+        per_block = [] if weights is None else [{k: weights[f"{spec.blocks.prefix}{i}.{k}"] for k in names}
+                                                for i in range(spec.blocks.layers)]
         order = signatures.call_order(name, kinds.get(self.manifest.kind), spec).inputs
         return per_block, [order.index(n) for n in spec.blocks.shared]
 
     def compile_whole(self, name: str) -> Any:
         """`compile`, but a block loop's parts as one XLA program (what tools/roofline.py analyses)."""
-        return jax.jit(self.traceable(name)).lower(*self._abstract(name)).compile(self.compiler_options(name))
+        spec = self.manifest.programs[name]
+        weights, *_ = self._abstract(name)
+        order = signatures.call_order(name, kinds.get(self.manifest.kind), spec).inputs
+        inputs = [jax.ShapeDtypeStruct(spec.inputs[n].shape, jax.numpy.dtype(spec.inputs[n].dtype), sharding=s)
+                  for n, s in zip(order, self.call_shardings(name), strict=True)]
+        return jax.jit(self.traceable(name)).lower(weights, *inputs).compile(self.compiler_options(name))
 
     def compiler_options(self, name: str) -> dict[str, Any] | None:
         """XLA options for compiling program `name` on this bundle's platform (None: XLA's defaults)."""
@@ -322,13 +379,15 @@ def tensor_mismatch(f: Any, present: set[str], name: str, want_shape: tuple[int,
 
 def run_block_loop(head: Callable[..., Any], block: Callable[..., Any], tail: Callable[..., Any],
                    weights: dict[str, Any], per_block: list[dict[str, Any]], layers: list[Any], inputs: list[Any],
-                   shared: list[int]) -> Any:
+                   shared: list[int], head_takes_shared: bool = False) -> Any:
     """Head, then the block program once per block with that block's tensors and index, then the tail
-    (manifest.BlockLoop)."""
-    hidden, *carried = head(weights, *inputs)
+    (manifest.BlockLoop). `inputs` are the program's; those at `shared` go to the blocks (and, for v5 bundles'
+    loops, `head_takes_shared`, to the head and tail too)."""
+    own = list(inputs) if head_takes_shared else [x for i, x in enumerate(inputs) if i not in shared]
+    hidden, *carried = head(weights, *own)
     for mine, layer in zip(per_block, layers, strict=True):
         hidden = block(mine, hidden, *carried, *[inputs[j] for j in shared], layer)
-    return tail(weights, *inputs, hidden)
+    return tail(weights, *own, hidden)
 
 
 def partition_spec(data: list[Any]) -> PartitionSpec:
@@ -337,14 +396,14 @@ def partition_spec(data: list[Any]) -> PartitionSpec:
 
 
 def load_program(path: Path, manifest: mf.Manifest, name: str, part: str = "") -> Any:
-    """Deserialize one of the bundle's programs (or its block loop's "block" or "tail" part); refuses what this jax
-    cannot run."""
+    """Deserialize one of the bundle's programs (or a part of its block loop, manifest.BlockLoop.file); refuses what
+    this jax cannot run."""
     spec = manifest.programs[name]
     file = spec.file
     if part:
         if spec.blocks is None:
             raise BundleError(f"program {name!r} has no block loop: re-export the bundle")
-        file = getattr(spec.blocks, part).file
+        file = spec.blocks.file(part).file
     blob = mf.resolve(path, file).read_bytes()
     exported_jax = manifest.versions.get("jax")
     try:

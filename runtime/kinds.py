@@ -25,6 +25,7 @@ Conditioning modes (how the image enters the denoising loop):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -70,11 +71,12 @@ class Kind:
         before the cross_kv programs existed, whose steps took the text (and CLIP image) embeddings."""
         return self.conditioning_inputs + (("image_embeds",) if self.image_encoder else ())
 
-    def stages(self, latent_frames: int, max_sequence_length: int) -> tuple[str, ...]:
+    def stages(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False) -> tuple[str, ...]:
         """The programs a bundle of this kind holds, in the order they run (bundles exported before the
         denoise variants other than "cfg" existed hold only that one, and the runtime falls back to it; those
         exported before the cross_kv programs existed have none, and their steps take the embeddings; those
-        exported before the shorter text encoder programs existed have only the full one)."""
+        exported before the shorter text encoder programs existed have only the full one). `short_prompts`: the
+        bundle has the cross_kv_t<T> programs too (CPU targets)."""
         out = [text_encoder_program(n, max_sequence_length) for n in text_lengths(max_sequence_length)]
         if self.image_encoder:
             out.append("image_encoder")
@@ -82,7 +84,8 @@ class Kind:
             out.append("vae_encode_first")
             if self.vae_encode == "video" and latent_frames > 1:
                 out.append("vae_encode_next")
-        out += [cross_kv_program(e) for e in range(self.experts)]
+        rows = [None, *(short_text_lengths(max_sequence_length) if short_prompts else ())]
+        out += [cross_kv_program(e, t) for e in range(self.experts) for t in rows]
         out += [denoise_program(e, v) for e in range(self.experts) for v in DENOISE_VARIANTS]
         out.append("vae_decode_first")
         if latent_frames > 1:
@@ -143,10 +146,22 @@ def denoise_program(expert: int, variant: str = "cfg") -> str:
     return base + DENOISE_VARIANTS[variant].suffix
 
 
-def cross_kv_program(expert: int) -> str:
+def cross_kv_program(expert: int, text_rows: int | None = None) -> str:
     """The program computing expert `expert`'s cross-attention keys and values of a prompt (export/cross_kv.py):
-    `cross_kv`, `cross_kv_2` (the same program file, the second expert's weights)."""
-    return "cross_kv" if expert == 0 else f"cross_kv_{expert + 1}"
+    `cross_kv`, `cross_kv_2` (the same program file, the second expert's weights); with `text_rows` T, the one
+    over a short prompt's first T rows (`short_text_lengths`): `cross_kv_t<T>`, `cross_kv_2_t<T>`."""
+    base = "cross_kv" if expert == 0 else f"cross_kv_{expert + 1}"
+    return base if text_rows is None else f"{base}_t{text_rows}"
+
+
+def is_cross_kv(program: str) -> bool:
+    return re.fullmatch(r"cross_kv(_2)?(_t\d+)?", program) is not None
+
+
+def short_text_lengths(max_sequence_length: int) -> tuple[int, ...]:
+    """The text lengths T below the whole that CPU bundles have cross_kv_t<T> and short block programs for
+    (export/cross_kv.py): text_lengths', the lengths of the text encoder programs."""
+    return tuple(n for n in text_lengths(max_sequence_length) if n < max_sequence_length)
 
 
 def denoise_variant(name: str) -> DenoiseVariant | None:
@@ -184,7 +199,7 @@ def pipeline_stage(program: str) -> str:
     keys and values) denoise, the VAE decoder's decode, the rest (text, CLIP, VAE encoder) encode."""
     if program.startswith("vae_decode"):
         return "decode"
-    if denoise_variant(program) is not None or program in (cross_kv_program(0), cross_kv_program(1)):
+    if denoise_variant(program) is not None or is_cross_kv(program):
         return "denoise"
     return "encode"
 

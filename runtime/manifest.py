@@ -35,7 +35,10 @@ from .errors import BundleError
 #      `kv` instead of `context` (and CLIP kinds' `image_embeds`).
 #   5: a denoise program may run its transformer blocks as a program of their own (ProgramSpec.blocks): its file
 #      is then the head, and the block and tail programs are listed beside it.
-SCHEMA_VERSION = 5
+#   6: short-prompt programs (CPU targets): cross_kv_t<T> programs and BlockLoop.short_blocks, keys and values over
+#      a prompt's first T text rows and one row for the rest; a block loop's head and tail no longer take the
+#      shared inputs (kv), nor does MagCache's cached step.
+SCHEMA_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 
 
@@ -71,7 +74,17 @@ def _from_v4(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4}  # version -> function taking that version's JSON to the next version's
+def _from_v5(d: dict[str, Any]) -> dict[str, Any]:
+    """v5 block loops pass the shared inputs (kv) to the head and tail too, and have no short-prompt blocks."""
+    d = copy.deepcopy(d)
+    for p in d["programs"].values():
+        if p.get("blocks") is not None:
+            p["blocks"]["head_takes_shared"] = True
+    d["schema_version"] = 6
+    return d
+
+
+MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5}  # version -> function taking that version's JSON to the next version's
 
 
 @dataclass(frozen=True)
@@ -96,17 +109,35 @@ class FileRef:
 @dataclass(frozen=True)
 class BlockLoop:
     """A program run as head -> block x layers -> tail (export/denoise_blocks.py). The head is the program's own
-    file: it takes the program's inputs and returns the block's leading inputs (hidden states first). The block
-    program takes block i's tensors of the group (named `prefix` + "<i>." + the name the block program uses), the
-    head's outputs with the hidden states replaced by the previous block's, then the program's `shared` inputs and
-    the block index (int32), and returns the hidden states. The tail takes the program's inputs and the last
-    block's hidden states and returns the program's outputs."""
+    file: it takes the program's inputs but `shared` and returns the block's leading inputs (hidden states first).
+    The block program takes block i's tensors of the group (named `prefix` + "<i>." + the name the block program
+    uses), the head's outputs with the hidden states replaced by the previous block's, then the program's `shared`
+    inputs and the block index (int32), and returns the hidden states. The tail takes the head's inputs and the
+    last block's hidden states and returns the program's outputs.
+
+    `short_blocks` ("<T>": file): block programs for a short prompt's keys and values, as the cross_kv_t<T>
+    programs make them (export/cross_kv.py); the runtime runs the one whose kv the step is given. v5 bundles
+    (`head_takes_shared`) pass the shared inputs to the head and tail too."""
 
     block: FileRef
     tail: FileRef
     layers: int
     prefix: str
     shared: tuple[str, ...]
+    short_blocks: dict[str, FileRef] = dataclasses.field(default_factory=dict)
+    head_takes_shared: bool = False
+
+    def file(self, part: str) -> FileRef:
+        """The file of part "block", "tail" or "block_t<T>" (a short prompt's block)."""
+        if part in ("block", "tail"):
+            return getattr(self, part)
+        rows = part.removeprefix(SHORT_BLOCK)
+        if not part.startswith(SHORT_BLOCK) or rows not in self.short_blocks:
+            raise BundleError(f"this block loop has no part {part!r}: re-export the bundle")
+        return self.short_blocks[rows]
+
+
+SHORT_BLOCK = "block_t"  # the part name of a short prompt's block program: "block_t<T>"
 
 
 @dataclass(frozen=True)
@@ -123,12 +154,14 @@ class ProgramSpec:
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """"" (the program's own file), then "block" and "tail" for a block loop."""
-        return ("", "block", "tail") if self.blocks is not None else ("",)
+        """"" (the program's own file), then for a block loop "block", "tail" and the short prompts' blocks."""
+        if self.blocks is None:
+            return ("",)
+        return ("", "block", "tail", *[SHORT_BLOCK + t for t in sorted(self.blocks.short_blocks, key=int)])
 
     def files(self) -> list[FileRef]:
-        """The program's files: its own, and its block and tail programs."""
-        return [FileRef(self.file, self.sha256)] + ([self.blocks.block, self.blocks.tail] if self.blocks else [])
+        """The program's files: its own, and its block loop's."""
+        return [FileRef(self.file, self.sha256)] + [self.blocks.file(p) for p in self.parts[1:]]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import conditioning, host_memory, images, kinds, scheduler
+from . import conditioning, host_memory, images, kinds, scheduler, signatures
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -53,6 +53,8 @@ class Pipeline:
         self.bundle.prefetch(names)
         for name in names:
             self.bundle.call(name)
+            for part in self.manifest.programs[name].parts[1:]:  # a block loop's, for prompts of every length
+                self.bundle.compiled_part(name, part)
         self.initial_latents(0)
 
     # -- text and images ----------------------------------------------------
@@ -159,6 +161,35 @@ class Pipeline:
             out[name] = value
         return out
 
+    def _inputs(self, program: str) -> tuple[str, ...]:
+        """The names of program `program`'s inputs, in the order it takes them."""
+        return signatures.call_order(program, self.kind, self.manifest.programs[program]).inputs
+
+    def text_rows(self, context: np.ndarray, programs: Sequence[str] = ()) -> int | None:
+        """The rows of the (2B, L, D) embeddings `context` that the steps' cross-attention needs keys and values
+        of: the shortest T of this bundle's cross_kv_t<T> programs (CPU bundles; export/cross_kv.py) after which
+        every row is zero, if every program in `programs` runs with them; None: all L (what diffusers computes)."""
+        used = np.flatnonzero(np.any(context != 0, axis=(0, 2)))  # NaN counts as used
+        return self._short_rows(int(used[-1]) + 1 if used.size else 0, programs)
+
+    def _short_rows(self, needed: int, programs: Sequence[str]) -> int | None:
+        have = self.manifest.programs
+        for t in kinds.short_text_lengths(self.geometry.max_sequence_length):
+            if t >= needed and kinds.cross_kv_program(0, t) in have and all(self._takes_rows(p, t) for p in programs):
+                return t
+        return None
+
+    def _tokens(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str]) -> int:
+        """The most tokens of any of the prompts (the text encoder runs the shortest program that holds them)."""
+        _, mask = self.tokenizer()(self._prompts(prompt, "prompt") + self._prompts(negative_prompt, "negative_prompt"))
+        return int(mask.sum(axis=1).max())
+
+    def _takes_rows(self, program: str, rows: int) -> bool:
+        spec = self.manifest.programs[program]
+        if spec.blocks is not None:
+            return str(rows) in spec.blocks.short_blocks
+        return "kv" not in spec.inputs
+
     def step_programs(self, steps: int, timesteps: np.ndarray, s: DenoiseSettings,
                       magcache: MagCache | None = None) -> list[str]:
         """The denoise program each step runs: the step's expert; with `magcache`, its full ("_residual") or
@@ -240,12 +271,13 @@ class Pipeline:
         contexts = {True: np.concatenate([prompt, embeds["negative_prompt_embeds"]]).astype(np.float32),
                     False: prompt}
         with_kv = self.precomputes_kv()
+        rows = self.text_rows(contexts[True], programs) if with_kv else None
         step_extras = self.kind.conditioning_inputs if with_kv else self.kind.denoise_extras
-        # The state, text inputs and conditioning are placed once (as the first program that takes them wants
-        # them; the variants share the state's and conditioning's layout) and shared by the experts.
-        shardings = self.bundle.input_shardings(programs[0])
-        state_dev = put(state, shardings[0])
-        extras_dev = [put(extras[n], sh) for n, sh in zip(step_extras, shardings[5:])]
+        # The state and conditioning are placed once (as the first program wants them; the variants share their
+        # layout) and shared by the experts.
+        first = dict(zip(self._inputs(programs[0]), self.bundle.call_shardings(programs[0]), strict=True))
+        state_dev = put(state, first["state"])
+        extras_dev = {n: put(extras[n], first[n]) for n in step_extras}
         contexts_dev: dict[Any, Any] = {}  # context by cfg (older bundles), or keys and values by expert
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         residual = norms = None
@@ -257,14 +289,15 @@ class Pipeline:
             text = ("kv", e) if with_kv else variant.cfg
             if text not in contexts_dev:
                 if with_kv:  # once per prompt and expert: every step's cross-attention keys and values
-                    kv_inputs = [contexts[True], *[extras[n] for n in self.kind.kv_inputs[1:]]]
-                    contexts_dev[text] = self.bundle.call(kinds.cross_kv_program(e))(*kv_inputs)
+                    context = contexts[True] if rows is None else contexts[True][:, :rows]
+                    kv_inputs = [context, *[extras[n] for n in self.kind.kv_inputs[1:]]]
+                    contexts_dev[text] = self.bundle.call(kinds.cross_kv_program(e, rows))(*kv_inputs)
                 else:
                     contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
-            args = [state_dev, contexts_dev[text], plan.timesteps[i], guidances[e], plan.coeffs[i], *extras_dev]
-            if variant.residual == "in":
-                args.append(residual)
-            outs = self.bundle.call(name)(*args)
+            values = {"state": state_dev, "kv": contexts_dev[text], "context": contexts_dev[text],
+                      "timestep": plan.timesteps[i], "guidance": guidances[e], "row": plan.coeffs[i], **extras_dev,
+                      "residual": residual}
+            outs = self.bundle.call(name)(*[values[n] for n in self._inputs(name)])
             state_dev, finite = outs[0], outs[1]
             if variant.residual == "out":
                 residual = outs[2]
@@ -313,20 +346,30 @@ class Pipeline:
     # -- all ----------------------------------------------------------------
     def start_loading(self, image: bool = False, seed: int = 0, steps: int | None = None,
                       guidance: float | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
-                      magcache: MagCache | None = None) -> None:
+                      magcache: MagCache | None = None, prompt: str | Sequence[str] | None = None,
+                      negative_prompt: str | Sequence[str] = "") -> None:
         """Start loading, in the background, the stages a run with these settings uses before its first step
         (the denoise programs it runs, the image encoders only with an `image`), so that the DiT's weights are
-        read while the prompt is encoded; what `generate` does first. The VAE decoder loads when it is needed:
-        in the background it would compete with the denoising steps for the cores (measured: step 1 done 4 s
-        later on 2 cores). Raises UserError for bad settings, before any work starts."""
+        read while the prompt is encoded; what `generate` does first. With the `prompt` (and `negative_prompt`),
+        the cross-attention programs for its length (`text_rows`); without, the whole text's. The VAE decoder
+        loads when it is needed: in the background it would compete with the denoising steps for the cores
+        (measured: step 1 done 4 s later on 2 cores). Raises UserError for bad settings, before any work starts."""
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
         plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
-        denoising = set(self.step_programs(s.steps, plan.timesteps, s, magcache))
+        denoising = self.step_programs(s.steps, plan.timesteps, s, magcache)
+        rows = None
+        if prompt is not None and self.precomputes_kv():
+            rows = self._short_rows(self._tokens(prompt, negative_prompt), denoising)
+        experts = {self.expert_of(int(t)) for t in plan.timesteps[: s.steps]}
         stage = kinds.pipeline_stage
         self.bundle.prefetch([n for n in self.manifest.programs if stage(n) != "decode"
                               and not kinds.is_text_encoder(n)  # encode loads the one its prompts need, at once
                               and (image or not n.startswith("vae_encode"))
+                              and (not kinds.is_cross_kv(n) or n in {kinds.cross_kv_program(e, rows) for e in experts})
                               and (kinds.denoise_variant(n) is None or n in denoising)])
+        for name in dict.fromkeys(denoising):
+            if self.manifest.programs[name].blocks is not None:
+                self.bundle.prefetch_part(name, "block" if rows is None else f"{mf.SHORT_BLOCK}{rows}")
 
     def generate(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
                  image: ImageInput | None = None, last_image: ImageInput | None = None, seed: int = 0,
@@ -337,7 +380,8 @@ class Pipeline:
         diffusers' `latents` argument: (B, z, T, H/s, W/s). `magcache`: see `denoise`. `low_memory`: drop each
         stage's weights once the run is past it (`unload_before`), as a process making one video can: the
         encoders' before the first step, the DiT's before the VAE decode; the next call loads them again."""
-        self.start_loading(image is not None, seed, steps, guidance, flow_shift, guidance_2, magcache)
+        self.start_loading(image is not None, seed, steps, guidance, flow_shift, guidance_2, magcache, prompt,
+                           negative_prompt)
         try:
             embeds = self.encode(prompt, negative_prompt, image, last_image)
             if low_memory:

@@ -32,12 +32,14 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
         order = CallOrder(("ids", "mask"), ("embeds",))
     elif name == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))
-    elif name in {kinds.cross_kv_program(e) for e in range(kind.experts)}:
+    elif kinds.is_cross_kv(name):
         order = CallOrder(kind.kv_inputs, ("kv",))
     elif (variant := kinds.denoise_variant(name)) is not None:
         head = DENOISE_INPUTS + kind.conditioning_inputs
         if "context" in spec.inputs:
             head = DENOISE_INPUTS_WITH_CONTEXT + kind.denoise_extras
+        elif variant.residual == "in" and "kv" not in spec.inputs:  # runs no block: takes no kv (schema 6)
+            head = tuple(n for n in head if n != "kv")
         order = CallOrder(head + (("residual",) if variant.residual == "in" else ()),
                           ("state", "finite") + (("residual",) if variant.residual == "out" else ()))
     elif name.startswith("vae_encode_"):

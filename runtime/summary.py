@@ -37,7 +37,9 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                                  "outputs": {k: _spec(v) for k, v in p.outputs.items()}}
         if p.blocks is not None:
             stage["blocks"] = {"layers": p.blocks.layers, "block": p.blocks.block.file, "tail": p.blocks.tail.file,
-                               "bytes": _size(path, p.blocks.block.file) + _size(path, p.blocks.tail.file)}
+                               "short_prompts": {t: f.file for t, f in sorted(p.blocks.short_blocks.items(),
+                                                                             key=lambda i: int(i[0]))},
+                               "bytes": sum(_size(path, f.file) for f in p.files()[1:])}
         stage.update(_program_shardings(path, m, name))
         stages[name] = stage
     return {
@@ -89,6 +91,8 @@ def format_text(s: dict[str, Any]) -> str:
             loop = st["blocks"]
             lines.append(f"  {'':<18} then {loop['block']} x {loop['layers']} blocks, then {loop['tail']} "
                          f"({_bytes(loop['bytes'])})")
+            for t, file in loop.get("short_prompts", {}).items():
+                lines.append(f"  {'':<18} prompts of <= {t} tokens: {file} as the block")
         if "error" in st:
             lines.append(f"    (cannot read the program: {st['error']})")
         for kind, key in (("in ", "args"), ("out", "results")):
@@ -115,7 +119,7 @@ def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:
         for file in ref.files():
             mf.check_file(path, file)
         exp = load_program(path, m, name)
-        last = load_program(path, m, name, ref.parts[-1])  # a block loop's results are its tail's
+        last = load_program(path, m, name, "tail" if ref.blocks else "")  # a block loop's results are its tail's
     except (BundleError, OSError) as e:
         return {"error": str(e)}
     n_weights = len(m.weights[ref.weights].tensors)

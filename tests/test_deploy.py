@@ -16,7 +16,7 @@ def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
     proc = run_module("runtime", "verify", str(fp32_bundles["tiny-64x32-f9"]))
     lines = proc.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 6, proc.stdout
-    for what in ("manifest:", "files: 20 match their sha256", "weights:", "programs: 11 deserialize", "versions:",
+    for what in ("manifest:", "files: 29 match their sha256", "weights:", "programs: 14 deserialize", "versions:",
                  "devices: 1 x cpu"):
         assert any(what in line for line in lines), (what, proc.stdout)
     assert lines[-1].endswith("is ready to run on this machine")
@@ -25,13 +25,15 @@ def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
 def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
     bundle = fp32_bundles["tiny-64x32-f9"]
     s = json.loads(run_module("runtime", "inspect", str(bundle), "--json").stdout)
-    assert set(s["stages"]) == {"text_encoder", "text_encoder_3", "text_encoder_6", "text_encoder_12", "cross_kv", "denoise_step", "denoise_step_cond", "denoise_step_residual",
-                                "denoise_step_cached", "vae_decode_first", "vae_decode_next"}
+    assert set(s["stages"]) == {"text_encoder", "text_encoder_3", "text_encoder_6", "text_encoder_12", "cross_kv",
+                                "cross_kv_t3", "cross_kv_t6", "cross_kv_t12", "denoise_step", "denoise_step_cond",
+                                "denoise_step_residual", "denoise_step_cached", "vae_decode_first", "vae_decode_next"}
     step = s["stages"]["denoise_step"]
     assert step["weights"] == "transformer" and step["args"][0] == {"aval": "float32[4,1,16,3,4,8]",
                                                                      "sharding": "{replicated}"}
     layers = json.loads((bundle / "manifest.json").read_text())["source"]["config"]["transformer"]["num_layers"]
     assert step["blocks"]["layers"] == layers  # the block loop; its results are the tail's, the step's
+    assert sorted(step["blocks"]["short_prompts"], key=int) == ["3", "6", "12"]  # a block per short prompt length
     assert [r["aval"] for r in step["results"]] == ["float32[4,1,16,3,4,8]", "bool[]"]
     from safetensors import safe_open
 
@@ -46,7 +48,7 @@ def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
 def test_warm_fills_the_cache_that_generate_then_uses(fp32_bundles, tmp_path: Path) -> None:
     bundle, cache = str(fp32_bundles["tiny-64x32-f9"]), tmp_path / "cache"
     proc = run_module("runtime", "warm", bundle, "--cache-dir", str(cache))
-    assert "compiled 11 programs into" in proc.stdout
+    assert "compiled 14 programs into" in proc.stdout
     warmed = sorted(p.name for p in cache.iterdir())
     assert len(warmed) >= 4
     run_module("runtime", "generate", bundle, *GEN, "--out", str(tmp_path / "v.mp4"), "--cache-dir", str(cache))

@@ -113,5 +113,8 @@ def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) 
                           # the block loop: one block program per batch (2B, B), a tail per looping step
                           "stages/denoise_block_2.jaxexport", "stages/denoise_block_1.jaxexport",
                           "stages/denoise_step_tail.jaxexport", "stages/denoise_step_cond_tail.jaxexport",
-                          "stages/denoise_step_residual_tail.jaxexport"}
+                          "stages/denoise_step_residual_tail.jaxexport",
+                          # short prompts (CPU targets): keys and values over 3, 6 or 12 of the 24 text rows
+                          *[f"stages/{p}_t{t}.jaxexport" for t in (3, 6, 12)
+                            for p in ("cross_kv", "denoise_block_2", "denoise_block_1")]}
     assert _digests(again) == first

@@ -21,6 +21,7 @@ Checkpoints and bundles are built once under --work (default artifacts/bench/).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -102,7 +103,11 @@ def child_runtime(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     if a["cache_dir"]:
         runtime.enable_compilation_cache(a["cache_dir"])
     pipe = runtime.load(a["bundle"])
-    pipe.start_loading(steps=a["steps"], guidance=GUIDANCE)  # as generate
+    # as generate: with the prompts, so that the programs for their length load (a --baseline checkout may predate that)
+    prompts = {"prompt": PROMPT, "negative_prompt": NEGATIVE}
+    if "prompt" not in inspect.signature(pipe.start_loading).parameters:
+        prompts = {}
+    pipe.start_loading(steps=a["steps"], guidance=GUIDANCE, **prompts)
     _run_pipeline(pipe, a, spawned, marks, low_memory=True)  # as `runtime generate`
     marks["rss_gb"] = _rss_gb()
     return marks
