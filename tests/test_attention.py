@@ -58,3 +58,20 @@ def test_480p_sequence_never_materialises_the_score_matrix() -> None:
     compiled = jax.jit(lambda q, k, v: attention(q, k, v)).lower(x, x, x).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 0.05 * s * s * 4, f"{temp / 2**20:.0f} MiB of temporaries"
+
+
+@pytest.mark.parametrize("direct_limit", [0, 1 << 30])  # blocked online softmax, direct
+def test_a_bias_per_key_is_the_softmax_of_repeated_keys(direct_limit: int) -> None:
+    """A (1, 1, 1, S) float mask is one bias per key, added block by block (never broadcast to the scores'
+    shape); log(m) on a key is the same softmax as m copies of it (export/cross_kv.py's short prompts)."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 3, 11, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 3, 7, 8)).astype(np.float32) for _ in range(2))
+    m = 40
+    bias = np.zeros((1, 1, 1, 7), np.float32)
+    bias[..., -1] = np.log(m)
+    cfg = AttentionConfig(block_q=4, block_kv=3, direct_limit=direct_limit)
+    out = jax.jit(lambda a, b, c, d: attention(a, b, c, attn_mask=d, config=cfg))(q, k, v, bias)
+    repeated = [np.concatenate([x[:, :, :-1], np.repeat(x[:, :, -1:], m, axis=2)], axis=2) for x in (k, v)]
+    np.testing.assert_allclose(np.asarray(out), reference(q, *repeated), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(out), reference(q, k, v, bias), atol=2e-6)
