@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .trace import Extracted
 
@@ -208,8 +209,9 @@ def block_precomputed(block: Any, env: Any, kv: jax.Array, n_img: int, pad_rows:
     a = block.attn2
     patched: list[Any] = []
     if pad_rows:
-        bias = jnp.zeros((1, 1, 1, kv.shape[3] - n_img), jnp.float32).at[..., -1].set(math.log(pad_rows))
-        mask, forward = env.j2t_iso(bias), type(a).forward
+        bias = np.zeros((1, 1, 1, kv.shape[3] - n_img), np.float32)  # a constant (.at[].set would be a scatter)
+        bias[..., -1] = math.log(pad_rows)
+        mask, forward = env.j2t_iso(jnp.asarray(bias)), type(a).forward
         a.forward = lambda hidden, context=None, attention_mask=None, *args, **kwargs: forward(a, hidden, context, mask,
                                                                                              *args, **kwargs)
         patched.append(a)
