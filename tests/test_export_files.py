@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from .conftest import CASES, run_module
 
@@ -89,6 +90,37 @@ def test_weights_are_aligned_mapped_and_placed_without_a_copy(tmp_path: Path) ->
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(other))
     for k, a in _placed(other, list(tensors)).items():
         np.testing.assert_array_equal(np.asarray(a, np.float32), tensors[k].float().numpy())
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of `path`'s mappings in this process that are in its page tables (/proc/self/smaps Rss)."""
+    rss, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            ours = line.endswith(str(path))
+        elif ours and head[0] == "Rss:":
+            rss += int(head[1]) << 10
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_only_wanted_tensors_are_paged_in(tmp_path: Path) -> None:
+    """load_file fills the page tables of the tensors it places (MADV_POPULATE_READ, run by run of back-to-back
+    wanted tensors), and of no others: a tensor no program uses stays out of the process's memory."""
+    import torch
+
+    from export.weights import write
+
+    mb = 1 << 20
+    tensors = {"a": torch.ones(2 * mb // 4), "unused": torch.ones(4 * mb // 4), "b": torch.ones(mb // 4),
+               "c": torch.ones(mb // 4)}
+    path = tmp_path / "w.safetensors"
+    write(path, tensors)
+    arrays = _placed(path, ["a", "b", "c"])
+    rss = _mapped_rss(path)
+    assert 4 * mb <= rss < 5 * mb, rss  # a, b and c (4 MB), not the unused 4 MB
+    assert float(np.asarray(arrays["c"]).sum()) == mb // 4
 
 
 def _digests(bundle: Path) -> dict[str, str]:
