@@ -1,6 +1,7 @@
 """`python -m export`: build a bundle from a diffusers-format Wan checkpoint.
 
     python -m export --model tiny --resolution 64x64 --frames 9 --out artifacts/tiny
+    python -m export --model tiny --resolution 64x32,32x64 --frames 5,9 --out artifacts/tiny-4   # 4 shapes
     python -m export --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --resolution 480p --out artifacts/wan-1.3b-480p
     python -m export --model wan2.1-t2v-14b --no-weights --resolution 720p --target tpu-v6e-8 --out artifacts/14b
     python -m export --attach-weights artifacts/14b --weights Wan-AI/Wan2.1-T2V-14B-Diffusers
@@ -54,8 +55,12 @@ def parser() -> argparse.ArgumentParser:
                         "load_into_transformer_2; e.g. a Wan 2.2 low-noise LoRA)")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
     p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
-                                        "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32)")
-    p.add_argument("--frames", type=int, default=81, help="video frames, 4k+1 (default 81)")
+                                        "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32); "
+                                        "a comma-separated list for several (e.g. 1280x720,720x1280)")
+    p.add_argument("--frames", default="81", help="video frames, 4k+1 (default 81); a comma-separated list for "
+                                                   "several. The bundle makes every resolution x frames pair (its "
+                                                   "shapes; the first of each list is the default) from one copy "
+                                                   "of the weights")
     p.add_argument("--batch", type=int, default=1, help="videos per call (default 1)")
     p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)})")
     p.add_argument("--mesh", default=None, help="override the preset's mesh, e.g. dp=2,sp=1,tp=4")
@@ -106,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--bundle and --lora-into go with --lora SOURCE")
         if args.validate:
             raise UserError("--validate goes with --savedmodel BUNDLE")
-        from .build import Settings, build_bundle, check_frames, parse_resolution, size_multiple
+        from .build import Settings, build_bundle, parse_frames, parse_shapes, size_multiple
 
         if args.resolution is None or args.out is None:
             raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
-        frames = check_frames(args.frames)
+        parse_frames(args.frames)  # a bad count fails before the model is read
         if args.batch < 1:
             raise UserError(f"--batch {args.batch} must be >= 1")
         if args.max_sequence_length < 1:
@@ -126,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
-        width, height = parse_resolution(args.resolution, size_multiple(src))
-        settings = Settings(width=width, height=height, frames=frames, batch=args.batch,
+        shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
+        settings = Settings(shapes=shapes, batch=args.batch,
                             max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
                             attention=AttentionConfig(
                                 block_q=args.attention_block_q, block_kv=args.attention_block_kv,

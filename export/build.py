@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -39,6 +40,7 @@ from runtime.manifest import (
     WeightFile,
     canonical_json,
     sha256_file,
+    shape_suffix,
 )
 
 from . import cross_kv, denoise, denoise_blocks, image_encoder, sharding, text_encoder
@@ -56,9 +58,7 @@ RESOLUTIONS = {"480p": (832, 480), "720p": (1280, 720)}
 
 @dataclass(frozen=True)
 class Settings:
-    width: int
-    height: int
-    frames: int
+    shapes: tuple[tuple[int, int, int], ...]  # (width, height, frames) of each shape, the default first
     batch: int
     max_sequence_length: int
     dtype: str  # "bf16" | "fp32"
@@ -96,7 +96,30 @@ def check_frames(frames: int) -> int:
     return frames
 
 
-def geometry(src: Source, s: Settings) -> Geometry:
+def parse_frames(text: str) -> list[int]:
+    """'81' or '49,81' -> [81] or [49, 81], each of the form 4k+1."""
+    out = []
+    for part in str(text).split(","):
+        if not part.strip().isdigit():
+            raise UserError(f"--frames {text!r} is not a frame count or a comma-separated list of them (e.g. 81 or "
+                            "49,81)")
+        out.append(check_frames(int(part)))
+    return out
+
+
+def parse_shapes(resolutions: str, frames: str, multiple: int = 16) -> tuple[tuple[int, int, int], ...]:
+    """--resolution R1,R2,... x --frames F1,F2,... -> every (width, height, frames), in the order given (the first
+    resolution with the first frame count is the default shape); a resolution or count given twice is refused."""
+    sizes = [parse_resolution(r, multiple) for r in resolutions.split(",")]
+    counts = parse_frames(frames)
+    for what, values, show in (("--resolution", sizes, lambda v: f"{v[0]}x{v[1]}"), ("--frames", counts, str)):
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        if twice:
+            raise UserError(f"{what} lists {show(twice[0])} twice (after resolving 480p/720p): list each once")
+    return tuple((w, h, f) for w, h in sizes for f in counts)
+
+
+def geometry(src: Source, s: Settings, shape: tuple[int, int, int]) -> Geometry:
     vae_cfg, tr_cfg = src.vae_config, src.transformer_config
     t_scale = int(vae_cfg.get("scale_factor_temporal") or 4)
     s_scale = int(vae_cfg.get("scale_factor_spatial") or 8)
@@ -104,13 +127,14 @@ def geometry(src: Source, s: Settings) -> Geometry:
     if int(tr_cfg["text_dim"]) != text_dim:
         raise UserError(f"transformer text_dim {tr_cfg['text_dim']} != text encoder d_model {text_dim}")
     ph, pw = tr_cfg["patch_size"][1], tr_cfg["patch_size"][2]
-    if s.height % s_scale or s.width % s_scale or (s.height // s_scale) % ph or (s.width // s_scale) % pw:
-        raise UserError(f"{s.width}x{s.height} does not divide into the DiT's {pw}x{ph} patches of the "
+    width, height, frames = shape
+    if height % s_scale or width % s_scale or (height // s_scale) % ph or (width // s_scale) % pw:
+        raise UserError(f"{width}x{height} does not divide into the DiT's {pw}x{ph} patches of the "
                         f"{s_scale}x-downscaled latent")
-    return Geometry(width=s.width, height=s.height, frames=s.frames, batch=s.batch,
+    return Geometry(width=width, height=height, frames=frames, batch=s.batch,
                     max_sequence_length=s.max_sequence_length, latent_channels=int(vae_cfg.get("z_dim") or 16),
-                    latent_frames=(s.frames - 1) // t_scale + 1, latent_height=s.height // s_scale,
-                    latent_width=s.width // s_scale, text_dim=text_dim, temporal_scale=t_scale,
+                    latent_frames=(frames - 1) // t_scale + 1, latent_height=height // s_scale,
+                    latent_width=width // s_scale, text_dim=text_dim, temporal_scale=t_scale,
                     spatial_scale=s_scale)
 
 
@@ -176,8 +200,11 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
     kind = src.model
-    geo = geometry(src, s)
-    sharding.check_dit(s.target, dit_shape(src, geo), src.id)
+    shapes = [geometry(src, s, shape) for shape in s.shapes]
+    geo = shapes[0]  # the default shape; what does not depend on the shape is traced with it
+    for g in shapes:
+        sharding.check_dit(s.target, dit_shape(src, g), src.id,
+                           f"{g.size} x {g.frames} frames" if len(shapes) > 1 else "")
     sched_cfg = sched.config_from_diffusers(src.scheduler_config)
     order = sched_cfg.solver_order
     attention = attention_for(s.target, s.attention)
@@ -208,11 +235,12 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                           ) -> tuple[FileRef, dict[str, TensorSpec]]:
             """Export fn to stages/<name>.jaxexport; its weights are the group's, or with `tensors` (the name fn
             uses -> the group's name) those tensors only. Returns the file and the output specs."""
-            log.info("exporting %s", name)
+            t0 = time.perf_counter()
             names = tensors or {k: k for k in weight_files[group].tensors}
             blob, outs = export_program(fn, {k: weight_files[group].tensors[g] for k, g in names.items()},
                                         {k: partitions[group][g] for k, g in names.items()}, inputs,
                                         input_partition or {}, outputs, output_partition, s.target)
+            log.info("exported %s in %.2f s", name, time.perf_counter() - t0)
             rel = f"stages/{name}.jaxexport"
             (tmp / rel).write_bytes(blob)
             return FileRef(rel, sha256_file(tmp / rel)), outs
@@ -264,14 +292,17 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                         add_program(kinds.cross_kv_program(0, t), group, cross_kv.build(ex, model_dtype, L - t),
                                     kv_inputs(kind, geo, image_tokens, t), ["kv"])
                     block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
-                    export_denoise(src, ex, block, kind, geo, s.target, order, model_dtype,
-                                   conditioning_inputs(kind, geo), add_program, write_program, programs)
+                    for g in shapes:  # the model loaded once; each shape costs its own tracing only
+                        export_denoise(src, ex, block, kind, g, s.target, order, model_dtype,
+                                       conditioning_inputs(kind, g), add_program, write_program, programs,
+                                       shape_suffix("video", g, geo))
                 else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
                         raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
                     names = [(kinds.cross_kv_program(e, t), kinds.cross_kv_program(0, t)) for t in (None, *short_rows)]
-                    names += [(kinds.denoise_program(e, v), kinds.denoise_program(0, v)) for v in kinds.DENOISE_VARIANTS]
+                    names += [(kinds.denoise_program(e, v) + at, kinds.denoise_program(0, v) + at)
+                              for at in (shape_suffix("video", g, geo) for g in shapes) for v in kinds.DENOISE_VARIANTS]
                     for name, like in names:
                         programs[name] = dataclasses.replace(programs[like], weights=group)
                 del module, ex
@@ -279,8 +310,11 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
             vae, ex = load_component(src, "vae", attention, platform=s.target.platform)
             add_weights("vae", ex.weights)
-            export_vae(vae, ex, kind, geo, s.target, add_program,
-                       dataclasses.replace(attention, kernel="xla"))
+            for size in dict.fromkeys(g.size for g in shapes):  # the VAE's chunks depend on width x height only
+                same = [g for g in shapes if g.size == size]
+                longest = max(same, key=lambda g: g.latent_frames)  # its chunk programs serve every frame count
+                export_vae(vae, ex, kind, longest, s.target, add_program,
+                           dataclasses.replace(attention, kernel="xla"), shape_suffix("size", longest, geo))
             del vae, ex
             gc.collect()
 
@@ -293,7 +327,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             source=src.describe(),
-            geometry=geo,
+            shapes=tuple(shapes),
             target=s.target,
             defaults=Defaults(steps=50, guidance=5.0, flow_shift=sched_cfg.flow_shift, fps=kind.fps),
             scheduler=sched_cfg.to_json(),
@@ -339,16 +373,18 @@ def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None,
 
 def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo: Geometry, target: Target,
                    order: int, model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any, write_program: Any,
-                   programs: dict[str, ProgramSpec]) -> None:
-    """The first expert's denoise programs, one per variant (kinds.DENOISE_VARIANTS), each traced with the DiT
-    layout of its batch (export/sharding.py): 2B for the CFG ones, B for the cond-only one. Those that run the
-    blocks take the cross_kv program's keys and values (exported before them), replicated: the cross-attention
-    layout wants them whole on every device (export/attention.py).
+                   programs: dict[str, ProgramSpec], suffix: str = "") -> None:
+    """The first expert's denoise programs for shape `geo`, one per variant (kinds.DENOISE_VARIANTS), named with
+    `suffix` (manifest.shape_suffix), each traced with the DiT layout of its batch (export/sharding.py): 2B for the
+    CFG ones, B for the cond-only one. Those that run the blocks take the cross_kv program's keys and values
+    (exported before them), replicated: the cross-attention layout wants them whole on every device
+    (export/attention.py).
 
     A variant that runs the transformer blocks runs them as one block program per batch size, called once per
     block (export/denoise_blocks.py; `block` extracts block 0 of the DiT): the program's own file is the head,
     and its tail is listed beside it; with cross_kv_t<T> programs, a block program per T too, for their keys and
-    values. MagCache's cached step runs no block and stays one program, taking no kv."""
+    values. The variants of one batch size share their head and block programs (traced once), so a variant costs
+    its tail. MagCache's cached step runs no block and stays one program, taking no kv."""
     patch = tuple(src.transformer_config["patch_size"][1:])
     L = geo.max_sequence_length
     kv = programs[kinds.cross_kv_program(0)].outputs["kv"]
@@ -357,11 +393,12 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
     tokens = dit_shape(src, geo).tokens
     layers = len(ex.module.blocks)
     block_files: dict[tuple[int, int], FileRef] = {}  # by (batch, text rows; L: the whole text)
+    heads: dict[int, tuple[FileRef, dict[str, TensorSpec], denoise_blocks.Carry]] = {}  # by batch
     tensors = {k: f"{denoise_blocks.BLOCK_PREFIX}0.{k}" for k in block.weights}
     for v in kinds.DENOISE_VARIANTS.values():
         batch = (2 if v.cfg else 1) * geo.batch
         layout = sharding.dit_layout(target.mesh, batch, tokens)
-        name = kinds.denoise_program(0, v.name)
+        name = kinds.denoise_program(0, v.name) + suffix
         inputs = {
             "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
             "kv": kv,
@@ -372,7 +409,7 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
         }
         outputs, out_partition = ["state", "finite"], [PartitionSpec(), PartitionSpec()]
         if v.residual == "in":  # as the "residual" variant (exported before this one) returns it
-            inputs["residual"] = programs[kinds.denoise_program(0, "residual")].outputs["residual"]
+            inputs["residual"] = programs[kinds.denoise_program(0, "residual") + suffix].outputs["residual"]
         if v.residual == "out":
             outputs.append("residual")
             out_partition.append(layout.hidden)
@@ -384,20 +421,24 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                 add_program(name, "transformer", no_kv, without_kv, outputs, {"residual": layout.hidden},
                             tuple(out_partition))
                 continue
-            carry = denoise_blocks.Carry()
             hidden = layout.hidden
-            head, carried = write_program(name, "transformer", denoise_blocks.head(ex, no_kv, carry), without_kv,
-                                          denoise_blocks.HEAD_OUTPUTS,
-                                          output_partition=(hidden, PartitionSpec(), PartitionSpec()))
+            if batch not in heads:  # the step up to the first block is the same for every variant of this batch
+                carry = denoise_blocks.Carry()
+                head, carried = write_program(name, "transformer", denoise_blocks.head(ex, no_kv, carry), without_kv,
+                                              denoise_blocks.HEAD_OUTPUTS,
+                                              output_partition=(hidden, PartitionSpec(), PartitionSpec()))
+                heads[batch] = head, carried, carry
+            head, carried, carry = heads[batch]
             for t, t_kv in [(L, kv), *short_kv.items()]:  # one block program per batch size, shared by the variants
                 if (batch, t) not in block_files:
-                    suffix = "" if t == L else f"_t{t}"
+                    rows = "" if t == L else f"_t{t}"
                     block_files[batch, t], _ = write_program(
-                        f"denoise_block_{batch}{suffix}", "transformer",
+                        f"denoise_block_{batch}{rows}{suffix}", "transformer",
                         denoise_blocks.block(block, carry, kind.image_encoder, L - t),
                         {**carried, "kv": t_kv, "layer": TensorSpec((), "int32")}, ["hidden"], {"hidden": hidden},
                         hidden, tensors)
-            tail, outs = write_program(f"{name}_tail", "transformer", denoise_blocks.tail(ex, no_kv),
+            tail_name = f"{kinds.denoise_program(0, v.name)}_tail{suffix}"
+            tail, outs = write_program(tail_name, "transformer", denoise_blocks.tail(ex, no_kv),
                                        {**without_kv, "hidden": carried["hidden"]}, outputs,
                                        {"residual": hidden, "hidden": hidden}, tuple(out_partition))
             loop = BlockLoop(block=block_files[batch, L], tail=tail, layers=layers, prefix=denoise_blocks.BLOCK_PREFIX,
@@ -407,8 +448,10 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
 
 
 def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any,
-               attention: AttentionConfig) -> None:
-    """The VAE's chunk programs: decode always, encode as the kind needs (one image, or a whole video).
+               attention: AttentionConfig, suffix: str = "") -> None:
+    """The VAE's chunk programs for width x height of `geo` (named with `suffix`, manifest.shape_suffix): decode
+    always, encode as the kind needs (one image, or a whole video). The chunks do not depend on the frame count;
+    whether there are "next" chunks does (`geo` is the longest shape of its size).
 
     On CPU targets the decoder is export/vae_decoder.py's channels-last JAX version of the same module
     (same weights, same cache slots); elsewhere, and for the encoder, the torchax trace."""
@@ -432,7 +475,8 @@ def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Targe
             # Activations split on width over all devices; results come back whole (host 0 writes the video).
             split = {k: sharding.width_split(c.shape, target.mesh) for k, c in {arg: chunk, **cache_inputs}.items()}
             out_split = (PartitionSpec(), [split[k] for k in cache_outputs])
-            add_program(f"vae_{direction}_{which}", "vae", build(vae, fn, caches, first=which == vae_stage.FIRST),
+            add_program(f"vae_{direction}_{which}{suffix}", "vae",
+                        build(vae, fn, caches, first=which == vae_stage.FIRST),
                         inputs, [result, *cache_outputs], split, out_split)
 
 

@@ -106,8 +106,11 @@ def convert(bundle: Path, out: Path, force: bool = False, validate: bool = False
     # (export/cross_kv.py) feed only the runtime's short block programs, which a signature does not run.
     L = manifest.geometry.max_sequence_length
     short = {kinds.cross_kv_program(e, t) for e in range(kind.experts) for t in kinds.short_text_lengths(L)}
+    if len(manifest.shapes) > 1:
+        log.info("the SavedModel carries the bundle's default shape, %s x %d frames, of its %d",
+                 manifest.geometry.size, manifest.geometry.frames, len(manifest.shapes))
     for name, spec in manifest.programs.items():
-        if name in short:
+        if name in short or kinds.base_program(name) != name:  # another shape's program
             continue
         order = call_order(name, kind, spec)
         methods[name] = _method(b.traceable(name), spec.weights, order.inputs, order.outputs)

@@ -181,8 +181,9 @@ class DitShape:
     batch: int  # 2 x videos per call (cond + uncond)
 
 
-def check_dit(target: Target, d: DitShape, model: str) -> None:
-    """Refuse a mesh the DiT cannot be split over, suggesting one with the same device count that works."""
+def check_dit(target: Target, d: DitShape, model: str, shape: str = "") -> None:
+    """Refuse a mesh the DiT cannot be split over, suggesting one with the same device count that works; `shape`
+    names the video shape checked (bundles of several shapes)."""
     m = target.mesh
     problems = []
     if d.heads % m["tp"]:
@@ -196,7 +197,8 @@ def check_dit(target: Target, d: DitShape, model: str) -> None:
     fits = suggest_meshes(target.num_devices, d)
     hint = (f"try --mesh {fits[0]}" if fits else
             f"no dp x sp x tp split of {target.num_devices} devices works: use a target with fewer devices")
-    raise UserError(f"mesh {format_mesh(m)} of target {target.name} does not fit {model}: "
+    at = f" at {shape}" if shape else ""
+    raise UserError(f"mesh {format_mesh(m)} of target {target.name} does not fit {model}{at}: "
                     f"{'; '.join(problems)} ({hint})")
 
 

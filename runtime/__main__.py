@@ -1,6 +1,7 @@
 """`python -m runtime`: generate videos from a bundle, all at once or stage by stage.
 
     python -m runtime generate BUNDLE --prompt "a cat playing piano" --out cat.mp4
+    python -m runtime generate BUNDLE --prompt "..." --size 720x1280 --frames 81 --out tall.mp4  # one of its shapes
     python -m runtime generate BUNDLE --prompt "..." --image first.png [--last-image last.png] --out clip.mp4
     python -m runtime encode  BUNDLE --prompt "..." [--image first.png] --out embeds.safetensors
     python -m runtime denoise BUNDLE --embeds embeds.safetensors --out latents.safetensors
@@ -34,6 +35,14 @@ def _denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance-2", type=float, default=None,
                    help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
     p.add_argument("--flow-shift", type=float, default=None, help="UniPC flow shift (default: the bundle's)")
+
+
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default=None, metavar="WxH",
+                   help="video width x height, one of the bundle's shapes (default: its default shape's; "
+                        "`inspect` lists them)")
+    p.add_argument("--frames", type=int, default=None, help="video frames, one of the bundle's frame counts for "
+                                                            "--size (default: the default shape's)")
 
 
 def _magcache_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +105,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative-prompt", default="")
     _image_args(g)
+    _shape_args(g)
     _denoise_args(g)
     _magcache_args(g)
     _lora_args(g)
@@ -109,13 +119,16 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt", required=True)
     e.add_argument("--negative-prompt", default="")
     _image_args(e)
+    _shape_args(e)
     _lora_args(e)
     e.add_argument("--out", type=Path, required=True, help="embeddings (and image conditioning), safetensors")
 
     d = sub.add_parser("denoise", parents=[common], help="embeddings -> latents (safetensors)")
     _bundle_arg(d)
     d.add_argument("--embeds", type=Path, required=True, help="what `encode` wrote (incl. the image conditioning)")
-    d.add_argument("--latents", type=Path, default=None, help="initial latents (key `latents`) instead of noise")
+    d.add_argument("--latents", type=Path, default=None, help="initial latents (key `latents`) instead of noise "
+                                                              "(their shape picks the bundle's shape)")
+    _shape_args(d)
     _denoise_args(d)
     _magcache_args(d)
     _lora_args(d)
@@ -127,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--prompt", required=True)
     cal.add_argument("--negative-prompt", default="")
     _image_args(cal)
+    _shape_args(cal)
     _denoise_args(cal)
     _lora_args(cal)
     cal.add_argument("--out", type=Path, required=True, help="ratios JSON (for --magcache)")
@@ -198,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, name, load_image(getattr(args, name), "--" + name.replace("_", "-")))
     pipe = load(args.bundle, loras=loras_from_args(args))
     g = pipe.geometry
+    shape = {"size": getattr(args, "size", None), "frames": getattr(args, "frames", None)}
+    if args.command != "decode":  # a shape the bundle lacks fails before any work
+        pipe.shape(**shape)
+    latent_shapes = [s.latent_shape for s in pipe.manifest.shapes]
     log = logging.getLogger("runtime")
     progress = not args.quiet
     if args.command in ("generate", "decode"):
@@ -205,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
             frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
                                    seed=args.seed, steps=args.steps, guidance=args.guidance,
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
-                                   magcache=magcache, low_memory=True)  # one video per process
+                                   magcache=magcache, low_memory=True, **shape)  # one video per process
         else:
-            latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
+            latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": latent_shapes})[0]["latents"]
             frames = pipe.decode(latents)
         if not primary:
             return
@@ -218,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         for path in write_videos(frames, args.out, fps):
             log.info("wrote %s", path)
     elif args.command == "encode":
-        embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image)
+        embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
+                             **shape)
         if primary:
             im.save(args.out, im.EMBEDS, embeds, pipe.bundle_id, {"prompt": args.prompt,
                                                                   "negative_prompt": args.negative_prompt,
@@ -231,18 +250,19 @@ def run(args: argparse.Namespace) -> int:
                             {"prompt_embeds": g.embeds_shape, "negative_prompt_embeds": g.embeds_shape})
         init = None
         if args.latents is not None:
-            init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": g.latent_shape})[0]["latents"]
+            init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": latent_shapes})[0]["latents"]
         latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress,
-                               guidance_2=s.guidance_2, magcache=magcache)
+                               guidance_2=s.guidance_2, magcache=magcache, **shape)
         if primary:
             meta = {**s.to_json(), **({"magcache": magcache.to_json()} if magcache else {})}
             im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, meta)
             log.info("wrote %s", args.out)
     elif args.command == "calibrate":
         s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2)
-        embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image)
+        embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
+                             **shape)
         ratios = pipe.calibrate(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=progress,
-                                guidance_2=s.guidance_2)
+                                guidance_2=s.guidance_2, **shape)
         if primary:
             from .files import atomic_path
 
@@ -292,7 +312,9 @@ def warm(args: argparse.Namespace) -> int:
         log.info("compiled %s in %.1f s", name, time.perf_counter() - t)
     from .pipeline import Pipeline
 
-    Pipeline(bundle).initial_latents(0)  # the noise sampler is a small jax program of its own
+    pipe = Pipeline(bundle)
+    for g in bundle.manifest.shapes:  # the noise sampler is a small jax program of its own, one per shape
+        pipe.initial_latents(0, g)
     import jax
 
     where = jax.config.jax_compilation_cache_dir

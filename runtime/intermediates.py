@@ -29,9 +29,10 @@ def save(path: str | Path, kind: str, tensors: dict[str, np.ndarray], bundle_id:
     return path
 
 
-def load(path: str | Path, kind: str, bundle_id: str, shapes: dict[str, tuple[int, ...]]
+def load(path: str | Path, kind: str, bundle_id: str, shapes: dict[str, tuple[int, ...] | list[tuple[int, ...]]]
          ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Read an intermediate, refusing one made by another bundle or with unexpected keys/shapes."""
+    """Read an intermediate, refusing one made by another bundle or with unexpected keys/shapes (a list: any of
+    those shapes, e.g. the latents of each of a bundle's shapes)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -53,7 +54,9 @@ def load(path: str | Path, kind: str, bundle_id: str, shapes: dict[str, tuple[in
     for key, shape in shapes.items():
         if key not in tensors:
             raise UserError(f"{path} has no tensor {key!r}")
-        if tuple(tensors[key].shape) != tuple(shape) or tensors[key].dtype != np.float32:
+        allowed = [tuple(s) for s in shape] if isinstance(shape, list) else [tuple(shape)]
+        if tuple(tensors[key].shape) not in allowed or tensors[key].dtype != np.float32:
+            want = " or ".join(f"float32{list(s)}" for s in allowed)
             raise UserError(f"{path}: {key} is {tensors[key].dtype}{list(tensors[key].shape)}, this bundle "
-                            f"needs float32{list(shape)}")
+                            f"needs {want}")
     return tensors, json.loads(meta.get("settings", "{}"))

@@ -165,12 +165,33 @@ def short_text_lengths(max_sequence_length: int) -> tuple[int, ...]:
 
 
 def denoise_variant(name: str) -> DenoiseVariant | None:
-    """The variant of denoise program `name`, or None if `name` is not a denoise program."""
+    """The variant of denoise program `name` (of any shape), or None if `name` is not a denoise program."""
+    name = base_program(name)
     for v in DENOISE_VARIANTS.values():
         for e in (0, 1):
             if name == denoise_program(e, v.name):
                 return v
     return None
+
+
+SHAPE_SEPARATOR = "@"  # a program of a bundle's other shapes: "<program>@<W>x<H>x<F>" or "<program>@<W>x<H>"
+
+
+def shape_scope(program: str) -> str:
+    """What program `program`'s tensor shapes depend on, so what a bundle of several shapes holds one of per
+    shape: "" (nothing: the text and image encoders, the cross-attention keys and values), "size" (width x
+    height: the VAE's one-frame chunks) or "video" (width x height x frames: the DiT's denoise programs)."""
+    program = base_program(program)
+    if program.startswith(("vae_encode", "vae_decode")):
+        return "size"
+    if denoise_variant(program) is not None:
+        return "video"
+    return ""
+
+
+def base_program(name: str) -> str:
+    """Program `name` without its shape suffix (kinds.SHAPE_SEPARATOR): the stage it is, whatever its shape."""
+    return name.split(SHAPE_SEPARATOR, 1)[0]
 
 
 PIPELINE_STAGES = ("encode", "denoise", "decode")  # the order a generation runs its programs' stages in
@@ -197,6 +218,7 @@ def is_text_encoder(program: str) -> bool:
 def pipeline_stage(program: str) -> str:
     """Which of PIPELINE_STAGES program `program` belongs to: the DiT's programs (its steps and cross-attention
     keys and values) denoise, the VAE decoder's decode, the rest (text, CLIP, VAE encoder) encode."""
+    program = base_program(program)
     if program.startswith("vae_decode"):
         return "decode"
     if denoise_variant(program) is not None or is_cross_kv(program):

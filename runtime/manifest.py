@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from . import kinds
 from .errors import BundleError
 
 # Schema history. Bump SCHEMA_VERSION on purpose, for any change an older runtime would misread, and
@@ -38,7 +39,10 @@ from .errors import BundleError
 #   6: short-prompt programs (CPU targets): cross_kv_t<T> programs and BlockLoop.short_blocks, keys and values over
 #      a prompt's first T text rows and one row for the rest; a block loop's head and tail no longer take the
 #      shared inputs (kv), nor does MagCache's cached step.
-SCHEMA_VERSION = 6
+#   7: several shapes per bundle: `shapes` (a Geometry each, the default first) replaces `geometry`; the programs of
+#      the shapes after the first that depend on the shape are named "<program>@<W>x<H>x<F>" (the DiT's) or
+#      "<program>@<W>x<H>" (the VAE's), see Manifest.program_for.
+SCHEMA_VERSION = 7
 MANIFEST_FILE = "manifest.json"
 
 
@@ -84,7 +88,16 @@ def _from_v5(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5}  # version -> function taking that version's JSON to the next version's
+def _from_v6(d: dict[str, Any]) -> dict[str, Any]:
+    """v6 bundles have one shape, their geometry."""
+    d = copy.deepcopy(d)
+    d["shapes"] = [d.pop("geometry")]
+    d["schema_version"] = 7
+    return d
+
+
+# version -> function taking that version's JSON to the next version's
+MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6}
 
 
 @dataclass(frozen=True)
@@ -218,6 +231,27 @@ class Geometry:
     def embeds_shape(self) -> tuple[int, int, int]:
         return (self.batch, self.max_sequence_length, self.text_dim)
 
+    @property
+    def size(self) -> str:
+        """"<width>x<height>", as the OpenAI videos API and `--size` write it."""
+        return f"{self.width}x{self.height}"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(width, height, frames): what a bundle's shapes are told apart by."""
+        return (self.width, self.height, self.frames)
+
+
+def shape_suffix(scope: str, g: Geometry, default: Geometry) -> str:
+    """What the names of shape `g`'s programs of scope `scope` (kinds.shape_scope) end with in a bundle whose default
+    shape is `default`: nothing for the default shape, or where the scope does not tell the two apart; else
+    "@<W>x<H>x<F>" ("video") or "@<W>x<H>" ("size")."""
+    if scope == "video" and g.shape != default.shape:
+        return f"{kinds.SHAPE_SEPARATOR}{g.width}x{g.height}x{g.frames}"
+    if scope == "size" and g.size != default.size:
+        return f"{kinds.SHAPE_SEPARATOR}{g.size}"
+    return ""
+
 
 @dataclass(frozen=True)
 class Defaults:
@@ -231,7 +265,7 @@ class Defaults:
 class Manifest:
     schema_version: int
     source: dict[str, Any]
-    geometry: Geometry
+    shapes: tuple[Geometry, ...]  # what the programs were traced for, the default first
     target: Target
     defaults: Defaults
     scheduler: dict[str, Any]
@@ -245,6 +279,36 @@ class Manifest:
     boundary_ratio: float | None = None  # two experts: expert 1 where t >= boundary_ratio x num_train_timesteps
     image_processor: dict[str, Any] | None = None  # the CLIP stage's preprocessing (runtime/images.py)
     bundle_id: str = ""
+
+    @property
+    def geometry(self) -> Geometry:
+        """The default shape."""
+        return self.shapes[0]
+
+    def program_for(self, program: str, g: Geometry) -> str:
+        """The name of program `program` (as kinds names it) for shape `g`: the name itself for the default shape
+        and for programs that do not depend on the shape (kinds.shape_scope), else suffixed with what it depends
+        on. A bundle of one shape, and every older bundle, therefore names its programs as before."""
+        return program + shape_suffix(kinds.shape_scope(program), g, self.geometry)
+
+    def stages(self, short_prompts: bool = False) -> tuple[str, ...]:
+        """The programs a bundle of this kind and these shapes holds (kinds.Kind.stages, named for each shape)."""
+        kind, L = kinds.get(self.kind), self.geometry.max_sequence_length
+        return tuple(dict.fromkeys(self.program_for(p, g) for g in self.shapes
+                                   for p in kind.stages(g.latent_frames, L, short_prompts)))
+
+    def find_shape(self, width: int | None = None, height: int | None = None, frames: int | None = None
+                   ) -> Geometry | None:
+        """The first of the bundle's shapes with this width, height and frames (None: any), or None."""
+        for g in self.shapes:
+            if (width in (None, g.width) and height in (None, g.height) and frames in (None, g.frames)):
+                return g
+        return None
+
+    def shapes_text(self) -> str:
+        """The bundle's shapes for an error message: "64x32 x 9 frames (default), 32x64 x 9 frames"."""
+        return ", ".join(f"{g.size} x {g.frames} frames" + (" (default)" if i == 0 else "")
+                         for i, g in enumerate(self.shapes))
 
     def files(self) -> list[FileRef]:
         """Every file the manifest lists, once (the experts' denoise programs share one file)."""
@@ -273,7 +337,10 @@ class Manifest:
             while version < SCHEMA_VERSION:
                 d = MIGRATIONS[version](d)
                 version = d["schema_version"]
-            return _decode(cls, d)
+            m = _decode(cls, d)
+            if not m.shapes:
+                raise ValueError("it lists no shapes")
+            return m
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise BundleError(f"manifest.json is malformed ({type(e).__name__}: {e}): re-export the bundle") from None
 

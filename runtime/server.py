@@ -4,6 +4,7 @@
     GET    /v1/videos/{id}         the job (queued / in_progress / completed / failed, progress 0-100)
     GET    /v1/videos/{id}/content the mp4
     GET    /v1/videos              newest first (limit, after, order)
+    GET    /v1/models              the bundle served and its shapes (size, frames, seconds)
     DELETE /v1/videos/{id}
     GET    /health  /ready  /metrics
 
@@ -140,21 +141,30 @@ def parse_request(fields: dict[str, Any], images: dict[str, bytes], state: State
     model = fields.get("model")
     if model and model not in (state.model, pipe.bundle_id):
         raise ApiError(400, f"model {model!r} is not served here: this server runs {state.model!r}", "model")
-    size = f"{g.width}x{g.height}"
-    if fields.get("size") and fields["size"].strip().lower() != size:
-        raise ApiError(400, f"size {fields['size']!r} is not this bundle's: it makes {size} videos (export another "
-                            "bundle for other sizes)", "size")
+    shapes = pipe.manifest.shapes
+    sizes = list(dict.fromkeys(s.size for s in shapes))
+    size = g.size
+    if fields.get("size"):
+        size = fields["size"].strip().lower()
+        if size not in sizes:
+            raise ApiError(400, f"size {fields['size']!r} is not one this bundle makes: it makes {', '.join(sizes)}",
+                           "size")
     p: dict[str, Any] = {name: _number(name, fields.get(name), float) for name in _FLOAT_FIELDS}
     p.update({name: _number(name, fields.get(name), int) for name in _INT_FIELDS})
     fps = p["fps"] if p["fps"] is not None else pipe.manifest.defaults.fps
     if fps < 1 or fps > 240:
         raise ApiError(400, f"fps must be an integer in 1..240, got {fps}", "fps")
-    seconds = g.frames / fps
+    counts = [s.frames for s in shapes if s.size == size]
+    frames = g.frames if g.frames in counts else counts[0]  # seconds left out: the default shape's frames
     if fields.get("seconds"):
         asked = _number("seconds", fields["seconds"], float)
-        if not math.isfinite(asked) or abs(asked - seconds) > 0.5 / fps:
-            raise ApiError(400, f"seconds {fields['seconds']!r} does not match this bundle: it makes {g.frames} "
-                                f"frames, {seconds:g} s at {fps} fps (leave seconds out, or change fps)", "seconds")
+        near = [n for n in counts if math.isfinite(asked) and abs(asked - n / fps) <= 0.5 / fps]
+        if not near:
+            durations = " or ".join(f"{n} frames ({n / fps:g} s)" for n in counts)
+            raise ApiError(400, f"seconds {fields['seconds']!r} is not a duration this bundle makes at {size}: it "
+                                f"makes {durations} at {fps} fps (leave seconds out, or change fps)", "seconds")
+        frames = near[0]
+    seconds = frames / fps
     checks = [("seed", dict(seed=p["seed"])), ("num_inference_steps", dict(steps=p["num_inference_steps"])),
               ("guidance_scale", dict(guidance=p["guidance_scale"])),
               ("guidance_scale_2", dict(guidance_2=p["guidance_scale_2"])),
@@ -180,7 +190,7 @@ def parse_request(fields: dict[str, Any], images: dict[str, bytes], state: State
         check_image(name, data)
     return {"prompt": prompt, "negative_prompt": fields.get("negative_prompt") or "", "seed": p["seed"] or 0,
             "steps": p["num_inference_steps"], "guidance": p["guidance_scale"], "guidance_2": p["guidance_scale_2"],
-            "flow_shift": p["flow_shift"], "fps": fps, "seconds": f"{seconds:g}", "size": size,
+            "flow_shift": p["flow_shift"], "fps": fps, "seconds": f"{seconds:g}", "size": size, "frames": frames,
             "magcache": state.settings.magcache.to_json() if state.settings.magcache is not None else None}
 
 
@@ -227,7 +237,9 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     images = [Image.open(io.BytesIO(b)) for b in image_bytes]
     steps = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"],
                           params["guidance_2"]).steps
-    embeds = pipe.encode(params["prompt"], params["negative_prompt"], *(images + [None, None])[:2])
+    # Jobs queued before bundles had several shapes carry their size but no frames: the default shape's.
+    shape = {"size": params.get("size"), "frames": params.get("frames")}
+    embeds = pipe.encode(params["prompt"], params["negative_prompt"], *(images + [None, None])[:2], **shape)
     last = [time.perf_counter()]
 
     def step_done(i: int) -> None:
@@ -238,7 +250,8 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
 
     magcache = MagCache(**params["magcache"]) if params.get("magcache") else None
     latents = pipe.denoise(embeds, params["seed"], params["steps"], params["guidance"], params["flow_shift"],
-                           progress=False, on_step=step_done, guidance_2=params["guidance_2"], magcache=magcache)
+                           progress=False, on_step=step_done, guidance_2=params["guidance_2"], magcache=magcache,
+                           **shape)
     frames = pipe.decode(latents)
     if video is not None:
         write_video(frames[0], video, fps=params["fps"])
@@ -393,6 +406,14 @@ def create_app(state: State) -> FastAPI:
 
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        """The OpenAI list of models: this server's bundle, with the shapes it makes (once loaded)."""
+        if not state.ready.is_set():
+            raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
+                           headers={"Retry-After": "5"})
+        return {"object": "list", "data": [model_card(state)]}
+
     @app.post("/v1/videos")
     async def create(request: Request) -> JSONResponse:
         if state.draining.is_set():
@@ -448,6 +469,29 @@ def create_app(state: State) -> FastAPI:
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     return app
+
+
+def model_card(state: State) -> dict[str, Any]:
+    """The OpenAI model object of the bundle served, with what a client needs to pick a request's shape: each
+    shape's size, frames and seconds at the bundle's fps (the first is the default)."""
+    pipe = state.pipe
+    m = pipe.manifest
+    fps = m.defaults.fps
+    created = int(mf_time(state.settings.bundle))
+    return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
+            "bundle_id": pipe.bundle_id, "kind": pipe.kind.name, "title": pipe.kind.title,
+            "image": pipe.kind.image, "last_image": pipe.kind.last_image, "experts": pipe.kind.experts,
+            "fps": fps, "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance},
+            "shapes": [{"size": g.size, "frames": g.frames, "seconds": f"{g.frames / fps:g}", "default": i == 0}
+                       for i, g in enumerate(m.shapes)]}
+
+
+def mf_time(bundle: Path) -> float:
+    """When the bundle was written (its manifest's modification time): the model's `created`."""
+    try:
+        return (bundle / "manifest.json").stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _create(state: State, fields: dict[str, Any], images: dict[str, bytes]) -> JSONResponse:

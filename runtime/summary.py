@@ -52,6 +52,9 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
         "geometry": {"width": g.width, "height": g.height, "frames": g.frames, "batch": g.batch,
                      "max_sequence_length": g.max_sequence_length, "latents": list(g.latent_shape),
                      "prompt_embeds": list(g.embeds_shape)},
+        "shapes": [{"size": s.size, "width": s.width, "height": s.height, "frames": s.frames,
+                    "seconds": round(s.frames / m.defaults.fps, 4), "latents": list(s.latent_shape),
+                    "default": i == 0} for i, s in enumerate(m.shapes)],
         "dtype": m.dtype, "attention": m.attention,
         "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance,
                      "flow_shift": m.defaults.flow_shift, "fps": m.defaults.fps},
@@ -78,6 +81,8 @@ def format_text(s: dict[str, Any]) -> str:
         + (f", {t['device_kind']}" if t["device_kind"] else ""),
         f"video      {g['width']}x{g['height']}, {g['frames']} frames, batch {g['batch']}; latents {g['latents']}, "
         f"prompt embeds {g['prompt_embeds']} (max {g['max_sequence_length']} tokens)",
+        f"shapes     {len(s['shapes'])}: " + ", ".join(f"{x['size']} x {x['frames']} frames ({x['seconds']:g} s)"
+                                                     + (" default" if x["default"] else "") for x in s["shapes"]),
         f"dtype      {s['dtype']} (VAE fp32); attention {_kv(s['attention'])}",
         f"defaults   {d['steps']} steps, guidance {d['guidance']}, flow shift {d['flow_shift']}, {d['fps']} fps",
         f"scheduler  UniPC order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}",

@@ -36,6 +36,7 @@ def verify(path: Path) -> list[Check]:
     migrated = f", read through the migration from {raw_version}" if raw_version != mf.SCHEMA_VERSION else ""
     checks.append(Check(OK, f"manifest: schema {raw_version} (this runtime reads {mf.SCHEMA_VERSION}{migrated}), "
                             f"bundle id {m.bundle_id} matches its content"))
+    checks += _check_shapes(m)
     if not m.has_weights:
         from .bundle import no_weights_message
 
@@ -75,6 +76,21 @@ def verify(path: Path) -> list[Check]:
     except BundleError as e:
         checks.append(Check(FAIL, str(e)))
     return checks
+
+
+def _check_shapes(m: mf.Manifest) -> list[Check]:
+    """Every shape has each of the programs a run of it calls (kinds.shape_scope)."""
+    from . import kinds
+
+    missing = []
+    for g in m.shapes:
+        for program in {kinds.base_program(n) for n in m.programs if kinds.shape_scope(n)}:
+            name = m.program_for(program, g)
+            if name not in m.programs and not (program.endswith("_next") and g.latent_frames == 1):
+                missing.append(f"{name} ({g.size} x {g.frames} frames)")
+    if missing:
+        return [Check(FAIL, f"shapes: the manifest lists no program {missing[0]}: re-export the bundle")]
+    return [Check(OK, f"shapes: {len(m.shapes)} ({m.shapes_text()}), each with its programs")]
 
 
 def _check_tensors(path: Path, m: mf.Manifest) -> list[Check]:

@@ -86,12 +86,27 @@ def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPath
     return out
 
 
+# A bundle of several shapes: two resolutions (the second portrait) x two frame counts; its default shape is
+# tiny-64x32-f9's.
+SHAPES_CASE = ("tiny", "64x32,32x64", "9,5", 24)
+
+
+@pytest.fixture(scope="session")
+def shapes_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    variant, res, frames, max_len = SHAPES_CASE
+    out = tmp_path_factory.mktemp("shapes") / "tiny-shapes"
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", frames,
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out), "-q")
+    return out
+
+
 @pytest.fixture(scope="session")
 def cpu8_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-64x32-f9 exported for the cpu-8 target (dp=2, sp=2, tp=2; run with 8 fake CPU devices)."""
+    """tiny-64x32-f9 exported for the cpu-8 target (dp=2, sp=2, tp=2; run with 8 fake CPU devices), with a portrait
+    shape (32x64) beside its default one."""
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
     out = tmp_path_factory.mktemp("cpu8") / "bundle"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", f"{res},32x64", "--frames", str(frames),
                "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(out), "-q")
     return out
 
@@ -100,7 +115,7 @@ def cpu8_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathF
 # kind: (variant, resolution, frames, max sequence length); sizes are non-square in both orientations.
 KIND_CASES = {
     "t2v-moe": ("tiny-t2v-moe", "64x32", 9, 16),
-    "ti2v": ("tiny-ti2v", "96x64", 9, 16),
+    "ti2v": ("tiny-ti2v", "96x64,64x96", 9, 16),  # and a portrait shape
     "i2v": ("tiny-i2v", "48x32", 9, 16),
     "flf2v": ("tiny-flf2v", "64x32", 9, 16),
     "i2v-moe": ("tiny-i2v-moe", "32x48", 9, 16),

@@ -149,8 +149,11 @@ def test_malformed_manifest(bundle_copy: Path, tmp_path: Path) -> None:
 
 
 def test_malformed_manifest_fields(bundle_copy: Path) -> None:
-    _rewrite_manifest(bundle_copy, lambda d: d.pop("geometry"))
-    with pytest.raises(BundleError, match=r"manifest.json is malformed \(KeyError: 'Manifest.geometry'\)"):
+    _rewrite_manifest(bundle_copy, lambda d: d.pop("shapes"))
+    with pytest.raises(BundleError, match=r"manifest.json is malformed \(KeyError: 'Manifest.shapes'\)"):
+        runtime.load(bundle_copy)
+    _rewrite_manifest(bundle_copy, lambda d: d.update(shapes=[]))
+    with pytest.raises(BundleError, match=r"manifest.json is malformed \(ValueError: it lists no shapes\)"):
         runtime.load(bundle_copy)
 
 

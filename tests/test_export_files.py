@@ -139,10 +139,11 @@ def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) 
                           "stages/text_encoder.jaxexport", "stages/text_encoder_3.jaxexport",
                           "stages/text_encoder_6.jaxexport", "stages/text_encoder_12.jaxexport",
                           "stages/cross_kv.jaxexport", "stages/denoise_step.jaxexport",
-                          "stages/denoise_step_cond.jaxexport", "stages/denoise_step_residual.jaxexport",
+                          "stages/denoise_step_cond.jaxexport",
                           "stages/denoise_step_cached.jaxexport", "stages/vae_decode_first.jaxexport",
                           "stages/vae_decode_next.jaxexport",
-                          # the block loop: one block program per batch (2B, B), a tail per looping step
+                          # the block loop: a head and a block program per batch (2B, B; MagCache's full step shares the
+                          # CFG step's head), a tail per looping step
                           "stages/denoise_block_2.jaxexport", "stages/denoise_block_1.jaxexport",
                           "stages/denoise_step_tail.jaxexport", "stages/denoise_step_cond_tail.jaxexport",
                           "stages/denoise_step_residual_tail.jaxexport",

@@ -47,7 +47,7 @@ def test_generate_from_an_image_without_torch(kind_bundles, images, tmp_path: Pa
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    g = json.loads((bundle / "manifest.json").read_text())["geometry"]
+    g = json.loads((bundle / "manifest.json").read_text())["shapes"][0]
     frames = iio.imread(out, plugin="pyav") if _has_pyav() else _read_ffmpeg(out)
     assert frames.shape == (g["frames"], g["height"], g["width"], 3) and frames.std() > 0
 

@@ -89,9 +89,10 @@ def serving(bundle: Path, jobs: Path, *extra: str, **kw) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(fp32_bundles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def tiny_server(shapes_bundle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model of several shapes (conftest.SHAPES_CASE: 64x32 (default) and 32x64, 9 and 5 frames)."""
     root = tmp_path_factory.mktemp("serve")
-    with serving(fp32_bundles["tiny-64x32-f9"], root / "jobs", "--api-key", KEY) as server:
+    with serving(shapes_bundle, root / "jobs", "--api-key", KEY) as server:
         yield server
 
 
@@ -118,7 +119,7 @@ def test_create_poll_download_list_delete(tiny_server: Server, tmp_path: Path) -
     client = tiny_server.client()
     video = client.videos.create_and_poll(prompt="a cat playing piano", size="64x32", seconds="0.5625",
                                           extra_body={"num_inference_steps": 3, "seed": 4}, poll_interval_ms=50)
-    assert (video.status, video.progress, video.size, video.model) == ("completed", 100, "64x32", "tiny-64x32-f9")
+    assert (video.status, video.progress, video.size, video.model) == ("completed", 100, "64x32", "tiny-shapes")
     assert video.object == "video" and video.error is None and video.completed_at >= video.created_at
     frames = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path)
     assert frames.shape == (9, 32, 64, 3) and frames.std() > 0
@@ -147,8 +148,11 @@ def test_api_key_is_required(tiny_server: Server) -> None:
 
 
 @pytest.mark.parametrize("fields,param,message", [
-    ({"size": "128x128"}, "size", "is not this bundle's"),
-    ({"seconds": "8"}, "seconds", "does not match this bundle"),
+    ({"size": "128x128"}, "size", "size '128x128' is not one this bundle makes: it makes 64x32, 32x64"),
+    ({"seconds": "8"}, "seconds", "seconds '8' is not a duration this bundle makes at 64x32: it makes 9 frames "
+                                  "(0.5625 s) or 5 frames (0.3125 s) at 16 fps"),
+    ({"size": "32x64", "seconds": "0.4"}, "seconds", "is not a duration this bundle makes at 32x64"),
+    ({"size": "32x64", "seconds": "0.3125", "fps": 8}, "seconds", "it makes 9 frames (1.125 s) or 5 frames"),
     ({"num_inference_steps": 0}, "num_inference_steps", "steps must be an integer >= 1"),
     ({"num_inference_steps": "lots"}, "num_inference_steps", "must be an integer"),
     ({"guidance_scale": -1}, "guidance_scale", "guidance must be a finite number >= 0"),
@@ -171,6 +175,31 @@ def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, 
     with pytest.raises(openai.BadRequestError) as e:  # the same through the SDK's multipart form
         tiny_server.client().videos.create(prompt=body.pop("prompt"), extra_body=body)
     assert e.value.body["param"] == param
+
+
+def test_portrait_and_landscape_from_one_server(tiny_server: Server, tmp_path: Path) -> None:
+    """`size` picks the resolution and `seconds` the frame count (at the request's fps); the job reports what it
+    makes; /v1/models lists the shapes."""
+    import httpx
+
+    client = tiny_server.client()
+    models = client.models.list()
+    (card,) = models.data
+    shapes = card.model_extra["shapes"]
+    assert [(s["size"], s["frames"], s["default"]) for s in shapes] == [
+        ("64x32", 9, True), ("64x32", 5, False), ("32x64", 9, False), ("32x64", 5, False)]
+    assert card.id == "tiny-shapes" and shapes[1]["seconds"] == "0.3125" and card.owned_by == "wan-aot"
+    assert httpx.get(tiny_server.url + "/v1/models").status_code == 401  # behind the key like the rest
+    tall = client.videos.create(prompt="a tall tower", size="32x64", seconds="0.3125",
+                                extra_body={"num_inference_steps": 2, "seed": 1})
+    wide = client.videos.create(prompt="a wide beach", size="64x32", extra_body={"num_inference_steps": 2})
+    slow = client.videos.create(prompt="a tall tower", size="32x64", seconds="0.625",
+                                extra_body={"num_inference_steps": 2, "fps": 8})  # 5 frames at 8 fps
+    assert (tall.size, tall.seconds, wide.size, wide.seconds) == ("32x64", "0.3125", "64x32", "0.5625")
+    for video, shape in ((tall, (5, 64, 32, 3)), (wide, (9, 32, 64, 3)), (slow, (5, 64, 32, 3))):
+        done = _wait(client, video.id, ("completed", "failed"))
+        assert done.status == "completed", (done.error, tiny_server.output())
+        assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == shape
 
 
 def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: Path) -> None:
@@ -284,12 +313,13 @@ def test_non_loopback_needs_a_key(fp32_bundles, tmp_path: Path) -> None:
 
 
 def test_two_processes_serve_one_mesh(checkpoints, tmp_path: Path) -> None:
-    """Process 0 serves and owns the queue; process 1 runs each broadcast job with it (2 x 4 CPU devices)."""
+    """Process 0 serves and owns the queue; process 1 runs each broadcast job with it (2 x 4 CPU devices), in each
+    of the bundle's shapes (the broadcast carries the job's shape)."""
     from .conftest import CASES
 
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
     bundle = tmp_path / "cpu8"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", f"{res},32x64", "--frames", str(frames),
                "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(bundle),
                "-q")
     coordinator = f"127.0.0.1:{_free_port()}"
@@ -300,11 +330,11 @@ def test_two_processes_serve_one_mesh(checkpoints, tmp_path: Path) -> None:
     try:
         leader.wait_ready()
         client = leader.client(key="unused")
-        for seed in (1, 2):
-            video = client.videos.create_and_poll(prompt="a robot dancing", poll_interval_ms=50,
+        for seed, size, shape in ((1, "64x32", (9, 32, 64, 3)), (2, "32x64", (9, 64, 32, 3))):
+            video = client.videos.create_and_poll(prompt="a robot dancing", poll_interval_ms=50, size=size,
                                                   extra_body={"num_inference_steps": 2, "seed": seed})
             assert video.status == "completed", (video.error, leader.output(), follower.output())
-            assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == (9, 32, 64, 3)
+            assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == shape
         assert leader.stop(signal.SIGTERM) == 0
         assert follower.proc.wait(timeout=60) == 0, follower.output()
         assert not (tmp_path / "jobs-1").exists()  # only process 0 owns a job store

@@ -33,7 +33,7 @@ def test_short_prompt_keys_and_values_give_the_steps_what_the_whole_text_gives(c
     kind = kinds.get(m.kind)
     L = m.geometry.max_sequence_length
     shorts = kinds.short_text_lengths(L)
-    assert shorts and sorted(m.programs) == sorted(kind.stages(m.geometry.latent_frames, L, short_prompts=True))
+    assert shorts and sorted(m.programs) == sorted(m.stages(short_prompts=True))
     full = m.programs[kinds.cross_kv_program(0)]
     rng = np.random.default_rng(1)
     for t in (shorts[0], shorts[-1]):

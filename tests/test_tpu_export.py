@@ -25,7 +25,8 @@ from runtime.bundle import partition_spec
 from .conftest import in_parallel, run_module
 
 CASES = {  # name: (architecture, resolution, target, devices, heads, frames)
-    "14b-720p-v6e-8": ("wan2.1-t2v-14b", "720p", "tpu-v6e-8", 8, 40, 81),
+    # two shapes (landscape and portrait), one copy of the weights
+    "14b-720p-v6e-8": ("wan2.1-t2v-14b", "1280x720,720x1280", "tpu-v6e-8", 8, 40, 81),
     "1.3b-480p-v6e-4": ("wan2.1-t2v-1.3b", "480p", "tpu-v6e-4", 4, 12, 81),
     "t2v-a14b-720p-v6e-8": ("wan2.2-t2v-a14b", "720p", "tpu-v6e-8", 8, 40, 81),
     "ti2v-5b-720p-v6e-8": ("wan2.2-ti2v-5b", "720p", "tpu-v6e-8", 8, 24, 121),
@@ -89,15 +90,16 @@ def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path
     assert m.attention["dit"]["impl"] == "pallas-tpu-flash"
     assert m.source["config"]["transformer"]["num_attention_heads"] == heads
     assert m.geometry.frames == frames
-    assert sorted(m.programs) == sorted(kind.stages(m.geometry.latent_frames, m.geometry.max_sequence_length))
+    assert sorted(m.programs) == sorted(m.stages())
     # every denoise variant attends (in the kernel) but MagCache's cached step, which skips the blocks
     denoise = {kinds.denoise_program(e, v) for e in range(kind.experts) for v in kinds.DENOISE_VARIANTS
                if v != "cached"}
     for name, spec in m.programs.items():
         # a denoise step attends in its block program (run once per block), not in its head and tail
-        files = [(spec.file, name in denoise and spec.blocks is None)]
+        base = kinds.base_program(name)
+        files = [(spec.file, base in denoise and spec.blocks is None)]
         if spec.blocks is not None:
-            assert name in denoise and spec.blocks.layers == m.source["config"]["transformer"]["num_layers"]
+            assert base in denoise and spec.blocks.layers == m.source["config"]["transformer"]["num_layers"]
             files += [(spec.blocks.block.file, True), (spec.blocks.tail.file, False)]
         for file, attends in files:
             exp = jax.export.deserialize(bytearray((tpu_bundles[case] / file).read_bytes()))
@@ -146,7 +148,8 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
     bundle = tpu_bundles[case]
     m = mf.read(bundle)
     layers = m.source["config"].get("image_encoder", {}).get("num_hidden_layers")
-    for name, prog in m.programs.items():
+    for full, prog in m.programs.items():
+        name = kinds.base_program(full)
         specs = _program_specs(bundle, prog)
         wf = m.weights[prog.weights]
         assert set(specs) == set(wf.tensors)
@@ -185,11 +188,26 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
 
 
 def test_vae_activations_split_on_width(tpu_bundles: dict[str, Path]) -> None:
-    exp = _program(tpu_bundles["14b-720p-v6e-8"], "vae_decode_next")
-    (_, latents, *caches), _ = jax.tree.unflatten(exp.in_tree, exp._in_named_shardings)
-    assert latents.spec == PartitionSpec(None, None, None, None, ("dp", "sp", "tp"))
-    assert caches and all(c.spec[-1] == ("dp", "sp", "tp") for c in caches)
-    assert exp.out_avals[0].shape == (1, 4, 720, 1280, 3)
+    for name, frames in (("vae_decode_next", (1, 4, 720, 1280, 3)), ("vae_decode_next@720x1280", (1, 4, 1280, 720, 3))):
+        exp = _program(tpu_bundles["14b-720p-v6e-8"], name)
+        (_, latents, *caches), _ = jax.tree.unflatten(exp.in_tree, exp._in_named_shardings)
+        assert latents.spec == PartitionSpec(None, None, None, None, ("dp", "sp", "tp"))
+        assert caches and all(c.spec[-1] == ("dp", "sp", "tp") for c in caches)
+        assert exp.out_avals[0].shape == frames
+
+
+def test_several_shapes_share_the_weights_and_have_programs_each(tpu_bundles: dict[str, Path]) -> None:
+    """The 14B bundle of two shapes: one set of weights; each shape's DiT traced for its own tokens (the latents
+    of 720x1280 are 160 high and 90 wide), with the same weight shardings."""
+    bundle = tpu_bundles["14b-720p-v6e-8"]
+    m = mf.read(bundle)
+    assert [g.shape for g in m.shapes] == [(1280, 720, 81), (720, 1280, 81)]
+    assert set(m.weights) == {"text_encoder", "transformer", "vae"}
+    wide, tall = m.programs["denoise_step"], m.programs["denoise_step@720x1280x81"]
+    assert wide.inputs["state"].shape[-2:] == (90, 160) and tall.inputs["state"].shape[-2:] == (160, 90)
+    assert wide.file != tall.file and wide.blocks.block.file != tall.blocks.block.file
+    assert _program_specs(bundle, wide) == _program_specs(bundle, tall)
+    assert "cross_kv@720x1280x81" not in m.programs and "text_encoder@720x1280x81" not in m.programs
 
 
 def test_runtime_refuses_a_bundle_without_weights(tpu_bundles: dict[str, Path], tmp_path: Path) -> None:
