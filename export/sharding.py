@@ -14,7 +14,8 @@ From DESIGN.md section 5 and the seeds:
   FLF2V's position embedding are replicated.
 - Text encoder (UMT5) and image encoder (CLIP ViT): FSDP, every weight split over all
   devices on its first dimension that divides (gathered on use).
-- VAE (encoder and decoder): weights replicated; activations split on width over all devices.
+- VAE (encoder and decoder): weights replicated; activations split on width over all devices (on height where
+  only that divides, e.g. portrait 720x1280).
 - Both experts of a two-expert model (transformer, transformer_2) use the DiT rules.
 """
 
@@ -163,8 +164,17 @@ def spec_to_json(spec: PartitionSpec) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
+def spatial_dim(shape: tuple[int, ...], mesh: dict[str, int]) -> int:
+    """The dimension a VAE program's activations split on, from its first input's `shape` (..., height, width):
+    the width where it divides over every device, else the height (a portrait shape: 720x1280's latents are 90
+    wide and 160 high), else the width (then replicated, `width_split`)."""
+    n_all = _axis_size(mesh, ALL)
+    return -2 if shape[-1] % n_all and not shape[-2] % n_all else -1
+
+
 def width_split(shape: tuple[int, ...], mesh: dict[str, int], dim: int = -1) -> PartitionSpec:
-    """VAE activations: dimension `dim` (width) over every device if it divides, else replicated."""
+    """VAE activations: dimension `dim` (width, or height: `spatial_dim`) over every device if it divides, else
+    replicated."""
     n_all = _axis_size(mesh, ALL)
     dim = dim % len(shape)
     if n_all == 1 or shape[dim] % n_all:

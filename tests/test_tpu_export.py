@@ -187,12 +187,19 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
         assert all(s in (PartitionSpec(), None) for s in _weight_specs(_program(bundle, "vae_encode_first")).values())
 
 
-def test_vae_activations_split_on_width(tpu_bundles: dict[str, Path]) -> None:
-    for name, frames in (("vae_decode_next", (1, 4, 720, 1280, 3)), ("vae_decode_next@720x1280", (1, 4, 1280, 720, 3))):
+def test_vae_activations_split_on_width_or_height(tpu_bundles: dict[str, Path]) -> None:
+    """1280x720's latents are 160 wide: split on width over the 8 devices; 720x1280's are 90 wide and 160 high:
+    on height."""
+    every = ("dp", "sp", "tp")
+    for name, dim, frames in (("vae_decode_next", -1, (1, 4, 720, 1280, 3)),
+                              ("vae_decode_next@720x1280", -2, (1, 4, 1280, 720, 3))):
         exp = _program(tpu_bundles["14b-720p-v6e-8"], name)
-        (_, latents, *caches), _ = jax.tree.unflatten(exp.in_tree, exp._in_named_shardings)
-        assert latents.spec == PartitionSpec(None, None, None, None, ("dp", "sp", "tp"))
-        assert caches and all(c.spec[-1] == ("dp", "sp", "tp") for c in caches)
+        (_, *inputs), _ = jax.tree.unflatten(exp.in_tree, exp._in_named_shardings)
+        (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+        assert len(inputs) > 1  # the latents, then the caches
+        for sharding_, aval in zip(inputs, avals):
+            spec = tuple(sharding_.spec) + (None,) * (aval.ndim - len(sharding_.spec))
+            assert spec == tuple(every if d == aval.ndim + dim else None for d in range(aval.ndim)), (name, spec)
         assert exp.out_avals[0].shape == frames
 
 
