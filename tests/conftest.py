@@ -117,7 +117,7 @@ KIND_CASES = {
     "t2v-moe": ("tiny-t2v-moe", "64x32", 9, 16),
     "ti2v": ("tiny-ti2v", "96x64,64x96", 9, 16),  # and a portrait shape
     "i2v": ("tiny-i2v", "48x32", 9, 16),
-    "flf2v": ("tiny-flf2v", "64x32", 9, 16),
+    "flf2v": ("tiny-flf2v", "64x32,32x64", 9, 16),  # and a portrait shape
     "i2v-moe": ("tiny-i2v-moe", "32x48", 9, 16),
 }
 

@@ -174,28 +174,33 @@ def test_portrait_shape_matches_diffusers_wan21(shapes_bundle: Path, checkpoints
     assert np.abs(frames - want).max() <= 1e-4 and frames.std() > 1e-3
 
 
-def test_portrait_shape_matches_diffusers_wan22_ti2v_with_an_image(kind_bundles, kind_checkpoints) -> None:
-    """TI2V-5B's image conditioning (the VAE encoder of that size, the first frame's per-token timesteps) at the
-    bundle's portrait shape, against WanImageToVideoPipeline."""
+@pytest.mark.parametrize("kind,size", [("ti2v", "64x96"), ("flf2v", "32x64")])
+def test_portrait_shape_of_an_image_kind_matches_diffusers(kind: str, size: str, kind_bundles,
+                                                           kind_checkpoints) -> None:
+    """The image conditioning at a bundle's portrait shape, against WanImageToVideoPipeline: Wan 2.2 TI2V-5B (the
+    VAE encoder of that size, the first frame's per-token timesteps) and Wan 2.1 FLF2V (CLIP, the conditioning
+    video of first and last frame, its frame mask)."""
     import torch
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
 
-    assert KIND_CASES["ti2v"][1] == "96x64,64x96"
-    pipe = runtime.load(kind_bundles["ti2v"])
-    tall = pipe.shape("64x96")
-    image = test_image(50, 70, seed=6)
+    assert size in KIND_CASES[kind][1].split(",")[1:]  # not the default shape
+    pipe = runtime.load(kind_bundles[kind])
+    tall = pipe.shape(size)
+    images = {"image": test_image(50, 70, seed=6)}
+    if kind == "flf2v":
+        images["last_image"] = test_image(40, 64, seed=7)
     init = pipe.initial_latents(8, tall)
-    frames = pipe.generate(PROMPT, NEGATIVE, image=image, size="64x96", seed=8, steps=3, guidance=5.0,
-                           progress=False)
-    ckpt = str(kind_checkpoints["ti2v"])
+    frames = pipe.generate(PROMPT, NEGATIVE, size=size, seed=8, steps=3, guidance=5.0, progress=False, **images)
+    ckpt = str(kind_checkpoints[kind])
     vae = AutoencoderKLWan.from_pretrained(ckpt, subfolder="vae", dtype=torch.float32)
     ref = WanImageToVideoPipeline.from_pretrained(ckpt, vae=vae, dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        want = ref(image=image, prompt=PROMPT, negative_prompt=NEGATIVE, height=96, width=64, num_frames=tall.frames,
-                   num_inference_steps=3, guidance_scale=5.0, max_sequence_length=tall.max_sequence_length,
-                   latents=torch.from_numpy(init.copy()), output_type="np").frames
-    assert frames.shape == want.shape == (1, tall.frames, 96, 64, 3)
+        want = ref(**images, prompt=PROMPT, negative_prompt=NEGATIVE, height=tall.height, width=tall.width,
+                   num_frames=tall.frames, num_inference_steps=3, guidance_scale=5.0,
+                   max_sequence_length=tall.max_sequence_length, latents=torch.from_numpy(init.copy()),
+                   output_type="np").frames
+    assert frames.shape == want.shape == (1, tall.frames, tall.height, tall.width, 3)
     assert np.abs(frames - want).max() <= 1e-4 and frames.std() > 1e-3
 
 

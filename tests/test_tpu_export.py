@@ -28,7 +28,7 @@ CASES = {  # name: (architecture, resolution, target, devices, heads, frames)
     # two shapes (landscape and portrait), one copy of the weights
     "14b-720p-v6e-8": ("wan2.1-t2v-14b", "1280x720,720x1280", "tpu-v6e-8", 8, 40, 81),
     "1.3b-480p-v6e-4": ("wan2.1-t2v-1.3b", "480p", "tpu-v6e-4", 4, 12, 81),
-    "t2v-a14b-720p-v6e-8": ("wan2.2-t2v-a14b", "720p", "tpu-v6e-8", 8, 40, 81),
+    "t2v-a14b-720p-v6e-8": ("wan2.2-t2v-a14b", "720p,720x1280", "tpu-v6e-8", 8, 40, 81),
     "ti2v-5b-720p-v6e-8": ("wan2.2-ti2v-5b", "720p", "tpu-v6e-8", 8, 24, 121),
     "i2v-14b-720p-v6e-16": ("wan2.1-i2v-14b-720p", "720p", "tpu-v6e-16", 16, 40, 81),
     "i2v-a14b-480p-v6e-8": ("wan2.2-i2v-a14b", "480p", "tpu-v6e-8", 8, 40, 81),
@@ -119,6 +119,9 @@ def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> No
     assert (moe.programs["denoise_step"].weights, moe.programs["denoise_step_2"].weights) == \
         ("transformer", "transformer_2")
     assert moe.weights["transformer_2"].tensors == moe.weights["transformer"].tensors
+    tall = "denoise_step_2@720x1280x81"  # the second expert at the second shape: that shape's file, its weights
+    assert moe.programs[tall].file == moe.programs["denoise_step@720x1280x81"].file != moe.programs["denoise_step"].file
+    assert moe.programs[tall].weights == "transformer_2"
     ti2v = mf.read(tpu_bundles["ti2v-5b-720p-v6e-8"])
     assert ti2v.kind == "ti2v" and (ti2v.geometry.width, ti2v.geometry.height) == (1280, 704)
     assert ti2v.geometry.latent_shape == (1, 48, 31, 44, 80) and ti2v.defaults.fps == 24
