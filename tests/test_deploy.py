@@ -15,8 +15,9 @@ GEN = ("--prompt", "a lighthouse in a storm", "--steps", "3", "-q")
 def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
     proc = run_module("runtime", "verify", str(fp32_bundles["tiny-64x32-f9"]))
     lines = proc.stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 6, proc.stdout
-    for what in ("manifest:", "files: 29 match their sha256", "weights:", "programs: 14 deserialize", "versions:",
+    assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 7, proc.stdout
+    for what in ("manifest:", "shapes: 1 (64x32 x 9 frames (default)), each with its programs",
+                 "files: 28 match their sha256", "weights:", "programs: 14 deserialize", "versions:",
                  "devices: 1 x cpu"):
         assert any(what in line for line in lines), (what, proc.stdout)
     assert lines[-1].endswith("is ready to run on this machine")

@@ -93,7 +93,7 @@ def test_layout_and_description(savedmodels, fp32_bundles) -> None:
     assert info["bundle_id"] == manifest["bundle_id"] and info["scheduler"] == manifest["scheduler"]
     # every program but the short-prompt cross_kv_t<T> ones, whose keys and values only the runtime's short block
     # programs take (the signatures run the whole text's)
-    short = {f"cross_kv_t{t}" for t in kinds.short_text_lengths(manifest["geometry"]["max_sequence_length"])}
+    short = {f"cross_kv_t{t}" for t in kinds.short_text_lengths(manifest["shapes"][0]["max_sequence_length"])}
     assert short and short <= set(manifest["programs"])
     assert set(info["signatures"]) == {*manifest["programs"], "initial_latents"} - short
     # Call order: the denoise step takes (state, kv, timestep, guidance, row), as the runtime calls it.

@@ -50,7 +50,7 @@ def test_generate_without_torch(fp32_bundles, tmp_path: Path) -> None:
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((bundle / "manifest.json").read_text())
-    g = manifest["geometry"]
+    g = manifest["shapes"][0]
     frames = iio.imread(out, plugin="pyav") if _has_pyav() else _read_ffmpeg(out)
     assert frames.shape == (g["frames"], g["height"], g["width"], 3)
     assert frames.dtype == np.uint8 and frames.std() > 0
