@@ -171,7 +171,21 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.add_argument("--jobs-dir", type=Path, default=Path("jobs"),
                    help="where jobs (SQLite) and videos live; survives restarts (default ./jobs)")
-    s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait; more get 429 (default 16)")
+    s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait (in the shared queue); more get 429 "
+                                                              "(default 16)")
+    r = s.add_argument_group("replicas (several servers, one queue: see the README's \"Many replicas\")")
+    r.add_argument("--queue", metavar="URL", default=None,
+                   help="the job database every replica shares: postgresql://USER:PASSWORD@HOST:PORT/DB (needs the "
+                        "postgres extra); default: SQLite under --jobs-dir, one server")
+    r.add_argument("--videos-url", metavar="URL", default=None,
+                   help="keep videos and uploaded images in an object store (s3://bucket/prefix, gs://...; the "
+                        "objectstore extra) instead of --jobs-dir, which replicas must otherwise share")
+    r.add_argument("--lease", type=float, default=60.0, metavar="SECONDS",
+                   help="a running job whose heartbeat is older than this is taken over by another replica "
+                        "(default 60)")
+    r.add_argument("--stall", type=float, default=600.0, metavar="SECONDS",
+                   help="a job with no denoising step or stage finished for this long stops being heartbeated and "
+                        "the server exits with status 3 for its supervisor to restart it (default 600)")
     _magcache_args(s)  # the server's default for every job
     _lora_args(s)
     return p
@@ -326,16 +340,20 @@ def serve(args: argparse.Namespace) -> int:
     import ipaddress
 
     from . import distributed
-    from . import multihost_jobs as mh
     from .errors import UserError
     from .pipeline import load
-    from .server import Settings
-    from .server import serve as run_server
+    from .serve import follower as mh
+    from .serve.app import Settings
+    from .serve.app import serve as run_server
 
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 1..65535")
     if args.queue_size < 1:
         raise UserError(f"--queue-size {args.queue_size} must be >= 1")
+    for name in ("lease", "stall"):
+        value = getattr(args, name)
+        if not (value > 0 and value < float("inf")):
+            raise UserError(f"--{name} {value} must be a number of seconds > 0")
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -351,7 +369,8 @@ def serve(args: argparse.Namespace) -> int:
 
     multi = jax.process_count() > 1
     settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
-                        magcache=magcache_from_args(args))
+                        magcache=magcache_from_args(args), queue=args.queue, videos_url=args.videos_url,
+                        lease=args.lease, stall=args.stall)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora

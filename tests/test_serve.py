@@ -215,7 +215,7 @@ def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: 
     r = httpx.post(tiny_server.url + "/v1/videos", content=b"{not json", headers={
         "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    from runtime.server import MAX_BODY_BYTES
+    from runtime.serve.app import MAX_BODY_BYTES
 
     r = httpx.post(tiny_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
                    content=b" " * (MAX_BODY_BYTES + 1))
@@ -282,7 +282,7 @@ def test_sigkill_mid_job_then_restart_loses_nothing(fp32_bundles, tmp_path: Path
 def test_sigterm_drains_then_exits(fp32_bundles, tmp_path: Path) -> None:
     import httpx
 
-    from runtime.jobs import JobStore
+    from runtime.serve.jobs import open_store
 
     server = Server(fp32_bundles["tiny-64x32-f9"], tmp_path / "jobs")
     try:
@@ -299,8 +299,8 @@ def test_sigterm_drains_then_exits(fp32_bundles, tmp_path: Path) -> None:
         assert server.proc.wait(timeout=120) == 0
     finally:
         server.stop(signal.SIGKILL)
-    store = JobStore(tmp_path / "jobs")
-    assert store.get(running.id).status == "completed" and store.video_path(running.id).is_file()
+    store = open_store(tmp_path / "jobs")
+    assert store.get(running.id).status == "completed" and store.storage.exists(store.get(running.id).video)
     assert store.get(waiting.id).status == "queued"  # not lost: it runs at the next start
     assert [j.prompt for j in store.list(10)[0]] == ["stay queued", "finish me"]
 

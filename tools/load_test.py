@@ -3,6 +3,14 @@
     python tools/load_test.py --base-url http://127.0.0.1:8000 --clients 4 --requests 12 --steps 2
     python tools/load_test.py --base-url http://127.0.0.1:8000 --api-key KEY --clients 8 --requests 100 \\
         [--steps S] [--timeout 600] [--json report.json]
+    python tools/load_test.py --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --clients 4 --requests 40 \\
+        --steps 20 [--kill-pid PID --kill-after 10]          # replicas on one queue, one killed part way
+
+With several --url (replicas sharing one queue, `runtime serve --queue postgresql://...`), client i starts on
+URL i mod n and moves to the next URL when one stops answering: a job accepted by one replica is polled on
+another. --kill-pid PID --kill-after S sends SIGKILL to that process (a replica on this machine) S seconds
+into the run. At the end every completed job is retrieved once more: one whose status or completed_at
+changed since (completed twice) is counted as duplicated.
 
 Each client (a thread with its own keep-alive connection) takes the next of the M jobs, POSTs it to
 /v1/videos (JSON: a prompt, and num_inference_steps=S with --steps), then polls GET /v1/videos/{id}
@@ -110,8 +118,9 @@ def loopback_target(base_url: str) -> Target:
 class Connection:
     """One client's keep-alive HTTP connection to the target (reopened after errors and idle spells)."""
 
-    def __init__(self, target: Target, api_key: str | None) -> None:
+    def __init__(self, target: Target, api_key: str | None, others: list[Target] | None = None) -> None:
         self.target = target
+        self.targets = others or [target]  # failover order (several replicas of one queue)
         self.headers = {"Host": target.host_header, "Accept": "application/json", "User-Agent": "wan-aot-load-test"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -142,8 +151,11 @@ class Connection:
             self.conn.request(method, self.target.prefix + path, body=data, headers=headers)
             response = self.conn.getresponse()
             raw = response.read()
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if isinstance(e, OSError | http.client.HTTPException) and len(self.targets) > 1:  # next replica
+                self.target = self.targets[(self.targets.index(self.target) + 1) % len(self.targets)]
+                self.headers["Host"] = self.target.host_header
             raise
         finally:
             self.last_used = time.monotonic()
@@ -170,11 +182,13 @@ class JobRecord:
     t_accepted: float | None = None
     t_completed: float | None = None  # the first poll that saw it completed (or failed)
     server_seconds: int | None = None  # completed_at - created_at (the server keeps whole seconds)
+    completed_at: int | None = None  # as the first poll that saw it completed reported it
+    duplicated: bool = False  # retrieved again at the end: its status or completed_at had changed
 
 
 class Run:
-    def __init__(self, args: argparse.Namespace, target: Target) -> None:
-        self.args, self.target = args, target
+    def __init__(self, args: argparse.Namespace, targets: list[Target]) -> None:
+        self.args, self.targets = args, targets
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.timeout
         self.stop = threading.Event()
@@ -194,7 +208,27 @@ class Run:
 
     def count(self, name: str) -> None:
         with self.lock:
-            self.counts[name] += 1
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def recheck(self) -> None:
+        """Retrieve every completed job once more: a job completed a second time (run again by another replica
+        after it was reported completed) shows another completed_at, or is no longer completed."""
+        conn = Connection(self.targets[0], self.args.api_key, self.targets)
+        try:
+            for r in [r for r in self.records if r.outcome == "completed"]:
+                for _ in range(len(self.targets)):
+                    try:
+                        status, _, data = conn.request("GET", "/v1/videos/" + quote(r.id or "", safe=""), None, 10.0)
+                        break
+                    except (OSError, http.client.HTTPException):
+                        continue
+                else:
+                    continue
+                if status != 200 or not isinstance(data, dict) or data.get("status") != "completed" \
+                        or data.get("completed_at") != r.completed_at:
+                    r.duplicated = True
+        finally:
+            conn.close()
 
     def take(self, client: int) -> JobRecord | None:
         with self.lock:
@@ -223,7 +257,9 @@ class Run:
 
     # one client
     def client(self, client: int) -> None:
-        conn = Connection(self.target, self.args.api_key)
+        n = len(self.targets)
+        conn = Connection(self.targets[client % n], self.args.api_key,
+                          [self.targets[(client + i) % n] for i in range(n)])
         try:
             while (record := self.take(client)) is not None:
                 if self.submit(conn, record):
@@ -257,6 +293,7 @@ class Run:
                 error = _error_message(data)
             if status == 200 and isinstance(data, dict) and isinstance(data.get("id"), str):
                 self.count("accepted")
+                self.count(f"accepted by {conn.target.host_header}")
                 record.id, record.t_accepted = data["id"], self.now()
                 return True
             if status in (429, 503):
@@ -303,6 +340,7 @@ class Run:
             interval = self.args.poll_interval or _poll_after(headers)
             if data.get("status") in TERMINAL:
                 record.t_completed, record.outcome = self.now(), data["status"]
+                record.completed_at = data.get("completed_at")
                 if isinstance(data.get("completed_at"), int) and isinstance(data.get("created_at"), int):
                     record.server_seconds = data["completed_at"] - data["created_at"]
                 if data["status"] == "failed":
@@ -368,13 +406,16 @@ def summarize(run: Run, wall: float, interrupted: bool) -> dict[str, Any]:
             code = (r.detail or "?").split(":", 1)[0]
             failed_codes[code] = failed_codes.get(code, 0) + 1
     return {
-        "base_url": run.args.base_url, "clients": run.args.clients, "requests": run.args.requests,
+        "base_url": ", ".join(run.args.urls), "clients": run.args.clients, "requests": run.args.requests,
         "steps": run.args.steps, "timeout_s": run.args.timeout, "interrupted": interrupted, "fatal": run.fatal,
         "posts": run.counts["posts"], "accepted": run.counts["accepted"],
         "rejected_429": run.counts["rejected_429"], "unavailable_503": run.counts["unavailable_503"],
         "post_errors": run.counts["post_errors"], "polls": run.counts["polls"],
         "poll_errors": run.counts["poll_errors"],
         "completed": outcome.count("completed"), "failed": outcome.count("failed"), "lost": outcome.count("lost"),
+        "duplicated": sum(r.duplicated for r in records),
+        "accepted_by": {k.removeprefix("accepted by "): v for k, v in run.counts.items()
+                        if k.startswith("accepted by ")},
         "not_accepted": outcome.count("not_accepted"), "not_submitted": run.args.requests - len(records)
         + outcome.count("not_submitted"),
         "failed_by_code": failed_codes,
@@ -399,8 +440,9 @@ def report(s: dict[str, Any]) -> str:
         + (f", {s['steps']} steps" if s["steps"] is not None else "") + ")",
         f"requests          submitted {s['posts']} POSTs: accepted {s['accepted']}, rejected (429) "
         f"{s['rejected_429']}, unavailable (503) {s['unavailable_503']}, other errors {s['post_errors']}",
-        f"jobs              completed {s['completed']}, failed {s['failed']}, lost {s['lost']}"
-        f" (never accepted {s['not_accepted']}, never sent {s['not_submitted']})",
+        f"jobs              completed {s['completed']}, failed {s['failed']}, lost {s['lost']}, duplicated "
+        f"{s['duplicated']} (never accepted {s['not_accepted']}, never sent {s['not_submitted']})",
+        "accepted by       " + ", ".join(f"{k} {v}" for k, v in sorted(s["accepted_by"].items())),
     ]
     if s["failed_by_code"]:
         lines.append("failed by code    " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_code"].items())))
@@ -421,8 +463,11 @@ def report(s: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tools/load_test.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="the server, loopback only (default http://127.0.0.1:8000; a trailing /v1 is fine)")
+    p.add_argument("--base-url", "--url", dest="urls", action="append", default=None,
+                   help="the server, loopback only (default http://127.0.0.1:8000; a trailing /v1 is fine); "
+                        "repeat for replicas of one queue")
+    p.add_argument("--kill-pid", type=int, default=None, help="SIGKILL this process (a replica) --kill-after s in")
+    p.add_argument("--kill-after", type=float, default=None, help="seconds into the run to send --kill-pid SIGKILL")
     p.add_argument("--api-key", default=os.environ.get("WAN_AOT_API_KEY"),
                    help="sent as Authorization: Bearer KEY (default: $WAN_AOT_API_KEY)")
     p.add_argument("--clients", type=int, default=4, help=f"concurrent clients, 1..{MAX_CLIENTS} (default 4)")
@@ -436,7 +481,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds between polls of a job (default: the server's openai-poll-after-ms, 0.25 s)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
     args = p.parse_args(argv)
+    args.urls = args.urls or ["http://127.0.0.1:8000"]
+    args.base_url = args.urls[0]
     problems = []
+    if (args.kill_pid is None) != (args.kill_after is None):
+        problems.append("--kill-pid and --kill-after go together")
     if not 1 <= args.clients <= MAX_CLIENTS:
         problems.append(f"--clients must be in 1..{MAX_CLIENTS}, got {args.clients}")
     if not 1 <= args.requests <= MAX_REQUESTS:
@@ -458,10 +507,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        target = loopback_target(args.base_url)
+        targets = [loopback_target(url) for url in args.urls]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    target = targets[0]
     if args.json is not None and not args.json.parent.is_dir():
         print(f"error: --json {args.json}: directory {args.json.parent} does not exist", file=sys.stderr)
         return 2
@@ -476,7 +526,16 @@ def main(argv: list[str] | None = None) -> int:
     ready = data.get("status") if isinstance(data, dict) else None
     print(f"server /ready: {status} {ready or ''}".rstrip(), file=sys.stderr)
 
-    run = Run(args, target)
+    run = Run(args, targets)
+    if args.kill_pid is not None:
+        import signal
+
+        def kill() -> None:
+            if not run.stop.wait(args.kill_after):
+                os.kill(args.kill_pid, signal.SIGKILL)
+                print(f"[{run.now():6.1f} s] killed process {args.kill_pid}", file=sys.stderr)
+
+        threading.Thread(target=kill, daemon=True).start()
     threads = [threading.Thread(target=run.client, args=(i,), name=f"client-{i}", daemon=True)
                for i in range(args.clients)]
     for t in threads:
@@ -499,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         t.join(timeout=max(0.0, grace - time.monotonic()))
     wall = run.now()
+    if not interrupted:
+        run.recheck()
     with run.lock:
         summary = summarize(run, wall, interrupted)
     print(report(summary))
@@ -508,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     if run.fatal:
         print(f"error: {run.fatal}", file=sys.stderr)
         return 2
-    return 0 if summary["lost"] == 0 else 1
+    return 0 if summary["lost"] == 0 and summary["duplicated"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@
     GET    /health  /ready  /metrics
 
 One worker thread runs one job at a time on the devices (the accelerator is the
-bottleneck). Jobs live in SQLite under the jobs directory (runtime/jobs.py), so a
-restart loses none. SIGTERM drains: new jobs get 503, the running job finishes,
-then the server exits (queued jobs stay queued for the next start). With several
-processes (TPU slices), process 0 serves and owns the queue, and every job's
-settings and images are broadcast to the others, which run the same programs
-(runtime/multihost_jobs.py).
+bottleneck). Jobs live in a database (runtime/serve/jobs.py: SQLite under the jobs
+directory by default, or PostgreSQL with --queue, shared by every replica), videos and
+images in shared storage (runtime/serve/storage.py), so any replica answers for any
+job and a restart loses none. A replica claims a job under a lease that it heartbeats
+while the job makes progress (runtime/serve/lease.py); a replica that dies or stalls
+stops heartbeating and another takes the job over. SIGTERM drains: new jobs get 503,
+the running job finishes, then the server exits (queued jobs stay queued for the other
+replicas or the next start). With several processes (TPU slices), process 0 serves,
+claims and heartbeats, and every job's settings and images are broadcast to the
+others, which run the same programs (runtime/serve/follower.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import io
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,12 +39,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from . import kinds
-from .errors import UserError
-from .jobs import Job, JobStore, QueueFull
+from .. import kinds
+from ..errors import UserError
+from .jobs import Job, JobStore, Lost, QueueFull, open_store
+from .lease import DEFAULT_STALL_S, Lease
 
 log = logging.getLogger("runtime")
 
@@ -74,6 +80,10 @@ class Settings:
     jobs_dir: Path = Path("jobs")
     queue_size: int = 16
     magcache: Any = None  # runtime.MagCache every job runs with (recorded in the job's params), or None
+    queue: str | None = None  # the job database: None (SQLite under jobs_dir) or a postgresql:// URL
+    videos_url: str | None = None  # videos and images in an object store instead of jobs_dir
+    lease: float = 60.0  # seconds without a heartbeat after which another replica takes a job over
+    stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
 
 
 @dataclass
@@ -91,6 +101,7 @@ class State:
     metrics: Any = None
     job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
     broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others
+    on_stall: Callable[[], Any] = lambda: os._exit(3)  # a stalled job: exit non-zero, the supervisor restarts us
 
     @property
     def model(self) -> str:
@@ -197,7 +208,7 @@ def parse_request(fields: dict[str, Any], images: dict[str, bytes], state: State
 def check_image(name: str, data: bytes) -> None:
     from PIL import Image
 
-    from .images import load_image
+    from ..images import load_image
 
     if len(data) > MAX_IMAGE_BYTES:
         raise ApiError(400, f"{name} is larger than {MAX_IMAGE_BYTES >> 20} MB", name)
@@ -227,12 +238,14 @@ def decode_data_url(name: str, value: str) -> bytes:
 # -- the worker ----------------------------------------------------------------
 def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: Path | None,
             on_progress: Callable[[int], None] = lambda p: None,
-            on_step_time: Callable[[float], None] = lambda s: None) -> None:
-    """Generate one job's video (every process of a multi-host job runs this; only process 0 writes)."""
+            on_step_time: Callable[[float], None] = lambda s: None,
+            on_stage: Callable[[str], None] = lambda stage: None) -> None:
+    """Generate one job's video (every process of a multi-host job runs this; only process 0 writes).
+    `on_progress` follows the denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode")."""
     from PIL import Image
 
-    from .magcache import MagCache
-    from .video import write_video
+    from ..magcache import MagCache
+    from ..video import write_video
 
     images = [Image.open(io.BytesIO(b)) for b in image_bytes]
     steps = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"],
@@ -240,6 +253,7 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     # Jobs queued before bundles had several shapes carry their size but no frames: the default shape's.
     shape = {"size": params.get("size"), "frames": params.get("frames")}
     embeds = pipe.encode(params["prompt"], params["negative_prompt"], *(images + [None, None])[:2], **shape)
+    on_stage("encode")
     last = [time.perf_counter()]
 
     def step_done(i: int) -> None:
@@ -252,7 +266,9 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     latents = pipe.denoise(embeds, params["seed"], params["steps"], params["guidance"], params["flow_shift"],
                            progress=False, on_step=step_done, guidance_2=params["guidance_2"], magcache=magcache,
                            **shape)
+    on_stage("denoise")
     frames = pipe.decode(latents)
+    on_stage("decode")
     if video is not None:
         write_video(frames[0], video, fps=params["fps"])
 
@@ -261,7 +277,11 @@ def worker(state: State) -> None:
     """Run queued jobs one at a time until draining; every failure is recorded on its job."""
     store = state.store
     while not state.draining.is_set():
-        job = store.claim()
+        try:
+            job = store.claim()
+        except Exception as e:  # noqa: BLE001  (the database is away for a moment: try again, stay up)
+            log.warning("cannot claim a job: %s: %s", type(e).__name__, e)
+            job = None
         if job is None:
             state.idle.set()
             if state.broadcast is not None:
@@ -275,28 +295,56 @@ def worker(state: State) -> None:
 
 
 def _run(state: State, job: Job) -> None:
+    """Run a claimed job under its lease and record the outcome, fenced: a replica that lost the job (its lease
+    ran out while it was stopped or cut off, and another replica took it over) records nothing."""
     store, m = state.store, state.metrics
     log.info("job %s: started (attempt %d)", job.id, job.attempts)
     t0 = time.perf_counter()
-    images = [p.read_bytes() for p in store.image_paths(job)]
-    try:
-        if state.broadcast is not None:
-            state.broadcast({"params": job.params, "images": images})
-        run_job(state.pipe, job.params, images, store.video_path(job.id),
-                on_progress=lambda p: store.set_progress(job.id, p),
-                on_step_time=m.step_seconds.observe if m else (lambda s: None))
-        store.complete(job.id)
-        log.info("job %s: completed in %.1f s", job.id, time.perf_counter() - t0)
-    except UserError as e:
-        store.fail(job.id, "generation_failed", str(e))
-        log.warning("job %s: failed: %s", job.id, e)
-    except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
-        log.exception("job %s: internal error", job.id)
-        store.fail(job.id, "internal_error", f"{type(e).__name__}: {e}")
+    outcome = "lost"
+    with Lease(lambda: store.heartbeat(job), store.lease, state.settings.stall, state.on_stall) as lease:
+
+        def progress(p: int) -> None:
+            lease.progress()
+            if not lease.lost:
+                try:
+                    store.set_progress(job, p)
+                except Lost:  # keep running: the other processes of a slice are in the same program
+                    lease.lost = True
+
+        try:
+            images = [store.storage.read(key) for key in job.images]
+            if state.broadcast is not None:
+                state.broadcast({"params": job.params, "images": images})
+            key = store.video_key(job)
+            with store.storage.writer(key, ".mp4") as video:
+                run_job(state.pipe, job.params, images, video, on_progress=progress,
+                        on_step_time=m.step_seconds.observe if m else (lambda s: None),
+                        on_stage=lambda stage: lease.progress())
+            store.complete(job, key)
+            outcome = "completed"
+            log.info("job %s: completed in %.1f s", job.id, time.perf_counter() - t0)
+        except Lost:
+            log.warning("job %s: taken over by another replica while this one ran it; its result is dropped", job.id)
+        except UserError as e:
+            outcome = _fail(store, job, "generation_failed", str(e))
+            log.warning("job %s: failed: %s", job.id, e)
+        except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
+            log.exception("job %s: internal error", job.id)
+            outcome = _fail(store, job, "internal_error", f"{type(e).__name__}: {e}")
     took = time.perf_counter() - t0
     state.job_seconds[:] = [*state.job_seconds[-9:], took]
     if m:
         m.job_seconds.observe(took)
+        m.replica_jobs.labels(outcome).inc()
+
+
+def _fail(store: JobStore, job: Job, code: str, message: str) -> str:
+    try:
+        store.fail(job, code, message)
+        return "failed"
+    except Lost:
+        log.warning("job %s: taken over by another replica; its failure is not recorded", job.id)
+        return "lost"
 
 
 def load_and_compile(state: State, loader: Callable[[], Any]) -> None:
@@ -324,17 +372,29 @@ class Metrics:
     step_seconds: Any
     job_seconds: Any
     request_seconds: Any
+    replica_jobs: Any
 
 
 def make_metrics(store: JobStore) -> Metrics:
-    from prometheus_client import CollectorRegistry, Gauge, Histogram
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     reg = CollectorRegistry()
-    queue = Gauge("wan_aot_queue_depth", "jobs waiting to run", registry=reg)
-    queue.set_function(lambda: store.counts()["queued"])
-    jobs = Gauge("wan_aot_jobs", "jobs in the store, by status", ["status"], registry=reg)
+    counts: dict[str, Any] = {"at": 0.0, "value": {}}
+
+    def count(status: str) -> int:  # one query per scrape, shared by the gauges
+        if time.monotonic() - counts["at"] > 0.5:
+            counts["value"], counts["at"] = store.counts(), time.monotonic()
+        return counts["value"][status]
+
+    queue = Gauge("wan_aot_queue_depth", "jobs waiting to run, in the queue every replica shares", registry=reg)
+    queue.set_function(lambda: count("queued"))
+    jobs = Gauge("wan_aot_jobs", "jobs in the shared store, by status", ["status"], registry=reg)
     for status in ("queued", "in_progress", "completed", "failed"):
-        jobs.labels(status).set_function(lambda s=status: store.counts()[s])
+        jobs.labels(status).set_function(lambda s=status: count(s))
+    replica = Counter("wan_aot_replica_jobs", "jobs this replica ran, by outcome (lost: taken over by another)",
+                      ["outcome"], registry=reg)
+    for outcome in ("completed", "failed", "lost"):
+        replica.labels(outcome)
     buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
     return Metrics(
         registry=reg, queue_depth=queue, jobs=jobs,
@@ -342,7 +402,7 @@ def make_metrics(store: JobStore) -> Metrics:
         job_seconds=Histogram("wan_aot_job_seconds", "one job, encode to mp4", registry=reg,
                               buckets=(*buckets, 600, 1800)),
         request_seconds=Histogram("wan_aot_request_seconds", "HTTP request latency", ["method", "route", "status"],
-                                  registry=reg, buckets=buckets))
+                                  registry=reg, buckets=buckets), replica_jobs=replica)
 
 
 # -- the app -------------------------------------------------------------------
@@ -445,17 +505,20 @@ def create_app(state: State) -> FastAPI:
         return JSONResponse(_job(store, video_id).to_api(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
     @app.get("/v1/videos/{video_id}/content")
-    def content(video_id: str, variant: str = "video") -> FileResponse:
+    def content(video_id: str, variant: str = "video") -> Response:
         job = _job(store, video_id)
         if variant != "video":
             raise ApiError(400, f"variant {variant!r} is not available: only 'video'", "variant")
         if job.status != "completed":
             raise ApiError(409, f"video {video_id} is {job.status}, not completed: poll GET /v1/videos/{video_id}",
                            code="video_not_ready")
-        path = store.video_path(video_id)
-        if not path.is_file():
-            raise ApiError(404, f"the file of video {video_id} is gone from the jobs directory")
-        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+        if not job.video or not store.storage.exists(job.video):
+            raise ApiError(404, f"the file of video {video_id} is gone from the video storage")
+        disposition = {"Content-Disposition": f'attachment; filename="{video_id}.mp4"'}
+        path = store.storage.local_path(job.video)
+        if path is not None:
+            return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+        return StreamingResponse(store.storage.chunks(job.video), media_type="video/mp4", headers=disposition)
 
     @app.delete("/v1/videos/{video_id}")
     def delete(video_id: str) -> dict[str, Any]:
@@ -586,10 +649,10 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     second one stops at once."""
     import uvicorn
 
-    store = JobStore(settings.jobs_dir)
-    for job in store.recover():
+    store = open_store(settings.jobs_dir, settings.queue, settings.videos_url, settings.lease)
+    for job in store.expire_dead_local_owners():
         log.warning("job %s was running when the server stopped: %s", job.id,
-                    "queued again" if job.status == "queued" else "failed")
+                    "queued again" if job.attempts < store.max_attempts else "failed, out of attempts")
     state = State(settings=settings, store=store, broadcast=broadcast)
     state.metrics = make_metrics(store)
     app = create_app(state)
@@ -621,7 +684,8 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     state.idle.set()
     worker_thread = threading.Thread(target=work, daemon=True)
     worker_thread.start()
-    log.info("serving %s on http://%s:%d (jobs in %s)", settings.bundle, host, port, settings.jobs_dir)
+    log.info("serving %s on http://%s:%d (replica %s; jobs in %s)", settings.bundle, host, port, store.owner,
+             settings.queue and "the PostgreSQL queue" or settings.jobs_dir)
     server.run()
     state.draining.set()
     state.wake.set()

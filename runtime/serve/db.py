@@ -1,0 +1,219 @@
+"""The job database: SQLite under the jobs directory (the default, one server) or PostgreSQL (several replicas).
+
+One small interface, `Database`: `transaction(exclusive)` yields a `Tx` whose `one`, `all` and `execute` take
+SQL with `?` placeholders, and three dialect snippets (`now`, `now_int`, `skip_locked`). runtime/serve/jobs.py
+writes every statement once against it. An exclusive transaction is serialized with every other exclusive one
+(SQLite: BEGIN IMMEDIATE; PostgreSQL: a transaction-scoped advisory lock), which makes "count the queue, then
+insert" one atomic step across replicas.
+
+The schema is created on first start (`CREATE TABLE IF NOT EXISTS`, under the same lock on PostgreSQL, so
+several replicas starting at once on an empty database are safe) with a version row; a database of a newer
+version is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import UserError
+
+SCHEMA_VERSION = 1
+_ADVISORY_LOCK = 0x77616E61  # "wana": the lock exclusive transactions and the schema creation take
+
+_COLUMNS_DDL = """
+    id TEXT PRIMARY KEY,
+    seq BIGINT NOT NULL,                  -- creation order (created_at is whole seconds)
+    created_at BIGINT NOT NULL,
+    completed_at BIGINT,
+    status TEXT NOT NULL,                 -- queued | in_progress | completed | failed
+    progress INTEGER NOT NULL DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 0,  -- claims so far; writes are fenced by (id, owner, attempts)
+    model TEXT NOT NULL,
+    size TEXT NOT NULL,
+    seconds TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    params TEXT NOT NULL,                 -- JSON: the generation settings
+    image TEXT,                           -- storage keys of the input images, JSON list
+    error_code TEXT,
+    error_message TEXT,
+    owner TEXT,                           -- the replica that claimed it (runtime/serve/jobs.py replica_id)
+    heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0,  -- seconds since the epoch, the database's clock
+    video TEXT                            -- storage key of the finished video
+"""
+_SCHEMA = [
+    f"CREATE TABLE IF NOT EXISTS jobs ({_COLUMNS_DDL})",
+    "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq)",
+    "CREATE TABLE IF NOT EXISTS wan_aot_schema (version INTEGER NOT NULL)",
+]
+
+
+class Tx(Protocol):
+    def one(self, sql: str, args: tuple = ()) -> tuple | None: ...
+    def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
+    def execute(self, sql: str, args: tuple = ()) -> int: ...  # rows changed
+
+
+class Database(Protocol):
+    now: str  # SQL: the database's clock, seconds since the epoch (float)
+    now_int: str  # the same, whole seconds
+    skip_locked: str  # appended to the claim's SELECT
+
+    def transaction(self, exclusive: bool) -> contextlib.AbstractContextManager[Tx]: ...
+    def close(self) -> None: ...
+
+
+def open_database(url: str | None, jobs_dir: Path) -> Database:
+    """`url` None (or sqlite:///PATH): SQLite at jobs_dir/jobs.sqlite3 (or PATH); postgresql://...: PostgreSQL."""
+    if url is None or url.startswith("sqlite:"):
+        path = Path(url[len("sqlite://"):]) if url and url.startswith("sqlite://") else jobs_dir / "jobs.sqlite3"
+        return SQLite(path)
+    if url.startswith(("postgresql://", "postgres://")):
+        return Postgres(url)
+    raise UserError(f"--queue {url!r} is not a postgresql:// URL (or sqlite:///PATH); leave it out for SQLite "
+                    "under --jobs-dir")
+
+
+def _check_version(version: int | None, where: str) -> None:
+    if version is not None and version > SCHEMA_VERSION:
+        raise UserError(f"the job database at {where} has schema version {version}, newer than this wan-aot reads "
+                        f"({SCHEMA_VERSION}): upgrade every replica")
+
+
+# -- SQLite ----------------------------------------------------------------------------------------------
+class _SQLiteTx:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def one(self, sql: str, args: tuple = ()) -> tuple | None:
+        return self.db.execute(sql, args).fetchone()
+
+    def all(self, sql: str, args: tuple = ()) -> list[tuple]:
+        return self.db.execute(sql, args).fetchall()
+
+    def execute(self, sql: str, args: tuple = ()) -> int:
+        return self.db.execute(sql, args).rowcount
+
+
+class SQLite:
+    """One connection (WAL, synchronous=FULL), serialized by a lock: a single server's queue."""
+
+    now = "((julianday('now') - 2440587.5) * 86400.0)"
+    now_int = "CAST(strftime('%s', 'now') AS INTEGER)"
+    skip_locked = ""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA busy_timeout=10000")
+        self._lock = threading.Lock()
+        with self.transaction(exclusive=True) as tx:
+            for statement in _SCHEMA:
+                tx.execute(statement)
+            self._upgrade(tx)
+
+    def _upgrade(self, tx: _SQLiteTx) -> None:
+        """Job databases written before the lease columns existed: add them (the old videos kept their names)."""
+        have = {row[1] for row in tx.all("PRAGMA table_info(jobs)")}
+        for column, ddl in (("owner", "TEXT"), ("heartbeat", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+                            ("video", "TEXT")):
+            if column not in have:
+                tx.execute(f"ALTER TABLE jobs ADD COLUMN {column} {ddl}")
+                if column == "video":
+                    tx.execute("UPDATE jobs SET video = 'videos/' || id || '.mp4' WHERE status = 'completed'")
+        row = tx.one("SELECT MAX(version) FROM wan_aot_schema")
+        _check_version(row[0] if row else None, str(self.path))
+        if row is None or row[0] is None:
+            tx.execute("INSERT INTO wan_aot_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+
+    @contextlib.contextmanager
+    def transaction(self, exclusive: bool) -> Iterator[_SQLiteTx]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE" if exclusive else "BEGIN")
+            try:
+                yield _SQLiteTx(self._db)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+# -- PostgreSQL ----------------------------------------------------------------------------------------------
+class _PostgresTx:
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    @staticmethod
+    def _sql(sql: str) -> str:
+        return sql.replace("?", "%s")
+
+    def one(self, sql: str, args: tuple = ()) -> tuple | None:
+        return self.conn.execute(self._sql(sql), args).fetchone()
+
+    def all(self, sql: str, args: tuple = ()) -> list[tuple]:
+        return self.conn.execute(self._sql(sql), args).fetchall()
+
+    def execute(self, sql: str, args: tuple = ()) -> int:
+        return self.conn.execute(self._sql(sql), args).rowcount
+
+
+class Postgres:
+    """A psycopg 3 connection pool; every replica pointing at the same database serves one queue."""
+
+    now = "extract(epoch from clock_timestamp())::double precision"
+    now_int = "CAST(extract(epoch from clock_timestamp()) AS BIGINT)"
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+
+    def __init__(self, url: str, connect_timeout: float = 10.0) -> None:
+        try:
+            from psycopg_pool import ConnectionPool
+        except ImportError:
+            raise UserError("--queue postgresql://... needs psycopg: pip install 'wan-aot[postgres]'") from None
+        import psycopg
+
+        self.url = url
+        self.pool = ConnectionPool(url, min_size=1, max_size=8, open=False, kwargs={"autocommit": True})
+        try:
+            self.pool.open(wait=True, timeout=connect_timeout)
+        except (psycopg.Error, Exception) as e:  # noqa: BLE001  (psycopg_pool.PoolTimeout and friends)
+            self.pool.close()
+            raise UserError(f"cannot connect to the job database {_redact(url)} ({type(e).__name__}: {e})") from None
+        with self.transaction(exclusive=True) as tx:  # under the lock: replicas starting at once take turns
+            for statement in _SCHEMA:
+                tx.execute(statement)
+            row = tx.one("SELECT MAX(version) FROM wan_aot_schema")
+            _check_version(row[0] if row else None, _redact(url))
+            if row is None or row[0] is None:
+                tx.execute("INSERT INTO wan_aot_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+
+    @contextlib.contextmanager
+    def transaction(self, exclusive: bool) -> Iterator[_PostgresTx]:
+        with self.pool.connection() as conn, conn.transaction():
+            if exclusive:
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_LOCK,))
+            yield _PostgresTx(conn)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (for messages and logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,285 @@
+"""The job queue every replica of a deployment shares: jobs in a database (SQLite or PostgreSQL, runtime/serve/db.py),
+claimed under a lease, every write after the claim fenced by (job, owner, attempt).
+
+A replica claims the oldest job that is queued, or in progress under a lease that ran out (its owner stopped
+heartbeating: it died, hangs, or was cut off), in one short transaction that marks it taken by this replica,
+counts the attempt and stamps the heartbeat (PostgreSQL: `FOR UPDATE SKIP LOCKED`, so replicas claiming at once
+take different jobs). While the job makes progress its replica heartbeats it (runtime/serve/lease.py). Progress,
+completion and failure are written only `WHERE id = ? AND owner = ? AND attempts = ?`: a replica that was presumed
+dead and comes back finds its writes refused (`Lost`) and can never overwrite the job's new owner. A job claimed
+MAX_ATTEMPTS times without finishing fails with code `attempts_exhausted` and a message saying why, instead of
+being claimed again. Every state change is one committed transaction, so a replica killed at any point leaves each
+accepted job queued, in progress (until its lease runs out), completed or failed: never lost, never half-written.
+
+Times are the database's clock (one clock for every replica); videos and images live in a Storage
+(runtime/serve/storage.py) under keys recorded on the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .db import Database
+from .storage import Storage
+
+MAX_ATTEMPTS = 2  # a job whose replica died twice while running it is failed, not retried forever
+DEFAULT_LEASE_S = 60.0  # a job's heartbeat older than this: any replica may take it over
+STATUSES = ("queued", "in_progress", "completed", "failed")
+
+
+@dataclass
+class Job:
+    id: str
+    seq: int
+    created_at: int
+    status: str
+    model: str
+    size: str
+    seconds: str
+    prompt: str
+    params: dict[str, Any]
+    images: list[str] = field(default_factory=list)  # storage keys of the input images
+    progress: int = 0
+    attempts: int = 0
+    completed_at: int | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    owner: str | None = None  # the replica running it (in_progress), or that finished it
+    video: str | None = None  # storage key of the video (completed)
+
+    def to_api(self) -> dict[str, Any]:
+        """The OpenAI video object."""
+        out: dict[str, Any] = {"id": self.id, "object": "video", "created_at": self.created_at,
+                               "completed_at": self.completed_at, "status": self.status, "model": self.model,
+                               "progress": self.progress, "size": self.size, "seconds": self.seconds,
+                               "prompt": self.prompt, "error": None}
+        if self.status == "failed":
+            out["error"] = {"code": self.error_code or "generation_failed", "message": self.error_message or ""}
+        return out
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Lost(Exception):
+    """This replica no longer owns the job (its lease ran out and another replica took it over, or it was
+    deleted): its result must not be recorded."""
+
+
+def replica_id() -> str:
+    """This process's owner name: host, pid and a random part (a restarted process never reuses one)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+_COLUMNS = ("id, seq, created_at, status, model, size, seconds, prompt, params, image, progress, attempts, "
+            "completed_at, error_code, error_message, owner, video")
+
+
+class JobStore:
+    """The queue over one Database and one Storage; safe to use from several threads and several replicas."""
+
+    def __init__(self, db: Database, storage: Storage, lease: float = DEFAULT_LEASE_S,
+                 owner: str | None = None, max_attempts: int = MAX_ATTEMPTS) -> None:
+        self.db, self.storage, self.lease = db, storage, float(lease)
+        self.owner = owner or replica_id()
+        self.max_attempts = max_attempts
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- writes -------------------------------------------------------------
+    def add(self, *, model: str, size: str, seconds: str, prompt: str, params: dict[str, Any],
+            images: list[bytes], queue_size: int) -> Job:
+        """Accept a job (and its images) unless `queue_size` jobs are already waiting in the shared queue."""
+        job_id = "video_" + secrets.token_hex(12)
+        keys = [f"images/{job_id}-{i}.img" for i in range(len(images))]
+        for key, data in zip(keys, images):  # stored first: a claimed job always finds its images
+            self.storage.put(key, data)
+        try:
+            with self.db.transaction(exclusive=True) as tx:  # the depth check and the insert as one
+                waiting = tx.one("SELECT COUNT(*) FROM jobs WHERE status = 'queued'")[0]
+                if waiting >= queue_size:
+                    raise QueueFull(waiting)
+                seq = tx.one("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs")[0]
+                tx.execute("INSERT INTO jobs (id, seq, created_at, status, model, size, seconds, prompt, params, "
+                           f"image, heartbeat) VALUES (?, ?, {self.db.now_int}, 'queued', ?, ?, ?, ?, ?, ?, 0)",
+                           (job_id, seq, model, size, seconds, prompt, json.dumps(params, sort_keys=True),
+                            json.dumps(keys)))
+        except BaseException:
+            for key in keys:
+                self.storage.delete(key)
+            raise
+        return self.get(job_id)  # type: ignore[return-value]
+
+    def claim(self) -> Job | None:
+        """The oldest job that is queued or whose lease ran out, now this replica's (attempt counted, heartbeat
+        stamped), or None. A job out of attempts is failed on the way (`attempts_exhausted`)."""
+        while True:
+            with self.db.transaction(exclusive=False) as tx:
+                row = tx.one(f"SELECT id, status, attempts, owner FROM jobs WHERE status = 'queued' OR "
+                             f"(status = 'in_progress' AND heartbeat < {self.db.now} - ?) "
+                             f"ORDER BY seq LIMIT 1{self.db.skip_locked}", (self.lease,))
+                if row is None:
+                    return None
+                job_id, status, attempts, owner = row
+                if status == "in_progress" and attempts >= self.max_attempts:
+                    tx.execute(f"UPDATE jobs SET status = 'failed', completed_at = {self.db.now_int}, "
+                               "error_code = 'attempts_exhausted', error_message = ? WHERE id = ?",
+                               (f"the replica running this job stopped (it died, hung or lost the database) "
+                                f"{attempts} times; it was not tried again: submit it anew", job_id))
+                    failed = job_id
+                else:
+                    tx.execute(f"UPDATE jobs SET status = 'in_progress', owner = ?, heartbeat = {self.db.now}, "
+                               "attempts = attempts + 1, progress = 0 WHERE id = ?", (self.owner, job_id))
+                    failed = None
+            if failed is None:
+                return self.get(job_id)
+            self._drop_images(self.get(failed))
+
+    def heartbeat(self, job: Job) -> bool:
+        """Renew this replica's lease on `job`; False if it is no longer ours."""
+        return self._fenced(job, f"heartbeat = {self.db.now}", ())
+
+    def set_progress(self, job: Job, progress: int) -> None:
+        if not self._fenced(job, f"progress = ?, heartbeat = {self.db.now}", (progress,)):
+            raise Lost(job.id)
+
+    def complete(self, job: Job, video: str) -> None:
+        """Record `job` completed with the video stored under `video`; Lost if it is no longer ours (the video
+        is then removed: the job's new owner writes its own)."""
+        if not self._fenced(job, f"status = 'completed', progress = 100, completed_at = {self.db.now_int}, video = ?",
+                            (video,)):
+            self.storage.delete(video)
+            raise Lost(job.id)
+        self._drop_images(job)
+
+    def fail(self, job: Job, code: str, message: str) -> None:
+        if not self._fenced(job, f"status = 'failed', completed_at = {self.db.now_int}, error_code = ?, "
+                                 "error_message = ?", (code, message)):
+            raise Lost(job.id)
+        self._drop_images(job)
+
+    def release(self, job: Job) -> None:
+        """Give an unfinished job back to the queue at once (its attempt stays counted)."""
+        self._fenced(job, "status = 'queued', progress = 0, owner = NULL, heartbeat = 0", ())
+
+    def expire_dead_local_owners(self) -> list[Job]:
+        """Jobs in progress under an owner that ran on this host and whose process is gone (this replica's own
+        previous run, after a crash): their lease is ended now rather than after it runs out, so a restarted
+        single server takes them up at once. Returns them."""
+        host = socket.gethostname()
+        with self.db.transaction(exclusive=False) as tx:
+            rows = tx.all("SELECT id, owner FROM jobs WHERE status = 'in_progress' AND owner LIKE ?", (f"{host}:%",))
+        expired = []
+        for job_id, owner in rows:
+            _, pid, _ = owner.rsplit(":", 2)
+            if owner != self.owner and not _alive(int(pid)):
+                with self.db.transaction(exclusive=False) as tx:
+                    tx.execute("UPDATE jobs SET heartbeat = 0 WHERE id = ? AND owner = ? AND status = 'in_progress'",
+                               (job_id, owner))
+                expired.append(job_id)
+        return [j for j in map(self.get, expired) if j is not None]
+
+    def delete(self, job_id: str) -> Job | None:
+        """Remove a job that is not running (its video and images too); returns it, or None if unknown. Raises
+        RuntimeError for a job in progress."""
+        job = self.get(job_id)
+        if job is None:
+            return None
+        with self.db.transaction(exclusive=False) as tx:
+            n = tx.execute("DELETE FROM jobs WHERE id = ? AND status != 'in_progress'", (job_id,))
+        if n == 0:
+            if self.get(job_id) is None:
+                return None
+            raise RuntimeError("in progress")
+        if job.video:
+            self.storage.delete(job.video)
+        self._drop_images(job)
+        return job
+
+    # -- reads --------------------------------------------------------------
+    def get(self, job_id: str) -> Job | None:
+        with self.db.transaction(exclusive=False) as tx:
+            row = tx.one(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,))
+        return None if row is None else _job(row)
+
+    def list(self, limit: int, after: str | None = None, order: str = "desc") -> tuple[list[Job], bool]:
+        """Jobs newest first (or oldest first), starting after the job `after`; (page, has_more)."""
+        op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
+        where: str = ""
+        args: tuple = ()
+        if after is not None:
+            anchor = self.get(after)
+            if anchor is None:
+                raise KeyError(after)
+            where, args = f"WHERE seq {op} ?", (anchor.seq,)
+        with self.db.transaction(exclusive=False) as tx:
+            rows = tx.all(f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1))
+        return [_job(r) for r in rows[:limit]], len(rows) > limit
+
+    def counts(self) -> dict[str, int]:
+        """Jobs by status across every replica (the shared queue)."""
+        with self.db.transaction(exclusive=False) as tx:
+            rows = tx.all("SELECT status, COUNT(*) FROM jobs GROUP BY status")
+        return {s: 0 for s in STATUSES} | {s: int(n) for s, n in rows}
+
+    def video_key(self, job: Job) -> str:
+        """Where this attempt's video goes: one key per attempt, so a stale owner never overwrites the file of
+        the job's current owner."""
+        return f"videos/{job.id}-{job.attempts}.mp4"
+
+    # -- internals ----------------------------------------------------------
+    def _fenced(self, job: Job, assignments: str, args: tuple) -> bool:
+        with self.db.transaction(exclusive=False) as tx:
+            n = tx.execute(f"UPDATE jobs SET {assignments} WHERE id = ? AND owner = ? AND attempts = ? "
+                           "AND status = 'in_progress'", (*args, job.id, self.owner, job.attempts))
+        return n == 1
+
+    def _drop_images(self, job: Job | None) -> None:
+        for key in job.images if job else []:
+            self.storage.delete(key)
+
+
+def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None = None,
+               lease: float = DEFAULT_LEASE_S) -> JobStore:
+    """The store a server uses: the database at `queue` (None: SQLite under `jobs_dir`) and the storage at
+    `videos_url` (None: `jobs_dir`)."""
+    from .db import open_database
+    from .storage import Directory, open_storage
+
+    storage = open_storage(videos_url, jobs_dir)
+    if isinstance(storage, Directory) and queue is None:  # one server owns the directory: left by a crash of it
+        storage.remove_partials()
+    return JobStore(open_database(queue, jobs_dir), storage, lease)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own pid under another owner name: a previous run of this process's container
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _job(row: tuple) -> Job:
+    (job_id, seq, created_at, status, model, size, seconds, prompt, params, image, progress, attempts, completed_at,
+     error_code, error_message, owner, video) = row
+    return Job(id=job_id, seq=int(seq), created_at=int(created_at), status=status, model=model, size=size,
+               seconds=seconds, prompt=prompt, params=json.loads(params),
+               images=[k if "/" in k else f"images/{k}" for k in json.loads(image or "[]")],  # older: bare names
+               progress=int(progress), attempts=int(attempts),
+               completed_at=None if completed_at is None else int(completed_at), error_code=error_code,
+               error_message=error_message, owner=owner, video=video)
+
+

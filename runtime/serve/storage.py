@@ -1,0 +1,140 @@
+"""Where videos and uploaded images live: a directory (the jobs directory, which every replica may mount: NFS,
+GCS FUSE) or an object store URL (`--videos-url s3://bucket/prefix`, `gs://...`, through fsspec).
+
+Keys are relative paths ("videos/<id>-<attempt>.mp4", "images/<id>-<i>.img"). A write is never seen half done:
+a directory gets a temporary name then a rename; an object store gets the whole object in one put.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import UserError
+
+CHUNK = 1 << 20
+
+
+class Storage(Protocol):
+    def put(self, key: str, data: bytes) -> None: ...
+    def writer(self, key: str, suffix: str = "") -> contextlib.AbstractContextManager[Path]: ...
+    def read(self, key: str) -> bytes: ...
+    def chunks(self, key: str) -> Iterator[bytes]: ...
+    def exists(self, key: str) -> bool: ...
+    def delete(self, key: str) -> None: ...
+    def local_path(self, key: str) -> Path | None: ...
+
+
+def open_storage(url: str | None, jobs_dir: Path) -> Storage:
+    """`url` None: the jobs directory; else an fsspec URL (s3://, gs://, file://, ...)."""
+    if url is None:
+        return Directory(jobs_dir)
+    return ObjectStore(url)
+
+
+class Directory:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        for sub in ("videos", "images"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def put(self, key: str, data: bytes) -> None:
+        with self.writer(key) as tmp:
+            tmp.write_bytes(data)
+
+    @contextlib.contextmanager
+    def writer(self, key: str, suffix: str = "") -> Iterator[Path]:
+        """A temporary path beside the key's (same filesystem); renamed to the key if the block succeeds."""
+        final = self._path(key)
+        tmp = final.with_name(f".{final.stem}.partial-{os.getpid()}{suffix or final.suffix}")
+        try:
+            yield tmp
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        with open(self._path(key), "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+    def remove_partials(self) -> None:
+        """Temporary files left by a process that died mid-write."""
+        for sub in ("videos", "images"):
+            for tmp in (self.root / sub).glob(".*.partial*"):
+                tmp.unlink(missing_ok=True)
+
+
+class ObjectStore:
+    """An fsspec filesystem under a URL prefix (s3fs for s3://, gcsfs for gs://)."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise UserError("--videos-url needs fsspec (and s3fs or gcsfs): pip install 'wan-aot[objectstore]'") \
+                from None
+        import fsspec.config
+
+        # fsspec's settings from the environment (FSSPEC_S3_ENDPOINT_URL=... for an S3-compatible store, ...), read
+        # again here: fsspec reads them once, at its import, which a library may have done before they were set.
+        fsspec.config.set_conf_env(fsspec.config.conf)
+        try:
+            self.fs, self.prefix = fsspec.url_to_fs(url)
+        except (ImportError, ValueError) as e:
+            raise UserError(f"--videos-url {url!r}: {e}") from None
+        self.prefix = self.prefix.rstrip("/")
+        self.url = url
+
+    def _path(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def put(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(key), data)  # one put: the object appears whole or not at all
+
+    @contextlib.contextmanager
+    def writer(self, key: str, suffix: str = "") -> Iterator[Path]:
+        """A local temporary file, uploaded to the key if the block succeeds."""
+        with tempfile.TemporaryDirectory(prefix="wan-aot-upload-") as d:
+            tmp = Path(d) / (Path(key).stem + (suffix or Path(key).suffix))
+            yield tmp
+            self.fs.put_file(str(tmp), self._path(key))
+
+    def read(self, key: str) -> bytes:
+        return self.fs.cat_file(self._path(key))
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        with self.fs.open(self._path(key), "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.exists(self._path(key)))
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(key))
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+

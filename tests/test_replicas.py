@@ -1,0 +1,340 @@
+"""Many replicas, one queue: `runtime serve --queue postgresql://...` against a real PostgreSQL server, videos in a
+shared directory or an S3-protocol object store.
+
+PostgreSQL is Debian's (`.ci/run` installs it where missing): a fresh cluster made with initdb in a temporary
+directory and started with pg_ctl on a loopback port, as the `postgres` user when the tests run as root (the
+server refuses root), stopped at the end. Object storage is moto's S3 server on loopback. Servers listen on
+127.0.0.1 only; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .test_serve import Server, _free_port, _mp4_frames, _wait
+
+openai = pytest.importorskip("openai")
+psycopg = pytest.importorskip("psycopg")
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+LEASE = "2"  # seconds: short, so that a takeover happens within the test
+
+
+def _as_postgres(*cmd: str) -> list[str]:
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else list(cmd)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL server of its own on a loopback port; yields its admin URL."""
+    if not (PG_BIN / "initdb").is_file():
+        raise AssertionError(f"PostgreSQL is not installed ({PG_BIN}): apt-get install postgresql (.ci/run does)")
+    root = Path(tempfile.mkdtemp(prefix="wan-aot-pg-"))
+    root.chmod(0o755)
+    data, sock = root / "data", root / "sock"
+    sock.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres")
+        shutil.chown(sock, "postgres")
+    port = _free_port()
+    subprocess.run(_as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"),
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run(_as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-o",
+                                f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c max_connections=200",
+                                "-l", str(root / "log"), "-w", "start"), check=True, capture_output=True, timeout=120)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(_as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"),
+                       capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_databases = iter(range(1, 10_000))
+
+
+@pytest.fixture
+def queue_url(postgres: str) -> str:
+    """A new, empty database on the module's server."""
+    name = f"jobs_{next(_databases)}_{os.getpid()}"
+    with psycopg.connect(postgres, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return postgres.rsplit("/", 1)[0] + "/" + name
+
+
+def _replica(bundle: Path, jobs: Path, queue: str, *extra: str, env: dict[str, str] | None = None) -> Server:
+    return Server(bundle, jobs, "--queue", queue, "--lease", LEASE, *extra, env=env)
+
+
+def _owner_pid(queue: str, job_id: str) -> tuple[str, int]:
+    with psycopg.connect(queue) as conn:
+        owner, = conn.execute("SELECT owner FROM jobs WHERE id = %s", (job_id,)).fetchone()
+    return owner, int(owner.rsplit(":", 2)[1])
+
+
+def _rows(queue: str) -> dict[str, tuple]:
+    with psycopg.connect(queue) as conn:
+        return {r[0]: r[1:] for r in conn.execute("SELECT id, status, attempts, owner, video FROM jobs").fetchall()}
+
+
+def test_two_replicas_serve_one_queue(fp32_bundles, queue_url: str, tmp_path: Path) -> None:
+    """Started at once on an empty database; a job created on one is retrieved, listed, downloaded and deleted
+    on the other; 429 comes from the shared queue depth, which both report in /metrics."""
+    import httpx
+
+    bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "shared-jobs"
+    a = _replica(bundle, jobs, queue_url, "--queue-size", "1")
+    b = _replica(bundle, jobs, queue_url, "--queue-size", "1")
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        ca, cb = a.client(key="unused"), b.client(key="unused")
+        made = ca.videos.create(prompt="made on a", extra_body={"num_inference_steps": 2, "seed": 1})
+        done = _wait(cb, made.id, ("completed", "failed"))
+        assert done.status == "completed", (done.error, a.output(), b.output())
+        assert made.id in [v.id for v in cb.videos.list().data]
+        assert _mp4_frames(cb.videos.download_content(made.id).read(), tmp_path).shape == (9, 32, 64, 3)
+        assert _mp4_frames(ca.videos.download_content(made.id).read(), tmp_path).shape == (9, 32, 64, 3)
+        assert cb.videos.delete(made.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            ca.videos.retrieve(made.id)
+        assert not list(jobs.glob(f"videos/{made.id}*"))
+        # two slow jobs run (one per replica), a third waits: the shared depth is 1, so a fourth is refused
+        slow = {"num_inference_steps": 1000}  # the replicas are killed at the end
+        running = [ca.videos.create(prompt=f"slow {i}", extra_body=slow) for i in range(2)]
+        for video in running:
+            _wait(ca, video.id, "in_progress")
+        cb.videos.create(prompt="waits", extra_body=slow)
+        for client in (ca, cb):
+            with pytest.raises(openai.RateLimitError) as e:
+                client.videos.create(prompt="refused", extra_body=slow)
+            assert e.value.body["code"] == "queue_full"
+        for server in (a, b):
+            metrics = httpx.get(server.url + "/metrics").text
+            assert "wan_aot_queue_depth 1.0" in metrics and 'wan_aot_jobs{status="in_progress"} 2.0' in metrics
+        owners = {_owner_pid(queue_url, v.id)[1] for v in running}
+        assert owners == {a.proc.pid, b.proc.pid}  # one job each
+    finally:
+        a.stop(signal.SIGKILL)
+        b.stop(signal.SIGKILL)
+
+
+def test_sigkill_of_the_running_replica_loses_nothing(fp32_bundles, queue_url: str, tmp_path: Path) -> None:
+    """The replica running a job is killed: after the lease the other one takes the job over; every accepted job
+    completes exactly once (one video each), none is lost or left in progress."""
+    bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "shared-jobs"
+    replicas = [_replica(bundle, jobs, queue_url) for _ in range(2)]
+    try:
+        for r in replicas:
+            r.wait_ready()
+        client = replicas[0].client(key="unused")
+        long = client.videos.create(prompt="killed while running", extra_body={"num_inference_steps": 400})
+        others = [client.videos.create(prompt=f"job {i}", extra_body={"num_inference_steps": 3}) for i in range(4)]
+        _wait(client, long.id, "in_progress")
+        _, pid = _owner_pid(queue_url, long.id)
+        victim = next(r for r in replicas if r.proc.pid == pid)
+        survivor = next(r for r in replicas if r is not victim)
+        victim.stop(signal.SIGKILL)
+        client = survivor.client(key="unused")
+        for video in (long, *others):
+            done = _wait(client, video.id, ("completed", "failed"), timeout=240)
+            assert done.status == "completed", (done.error, survivor.output())
+        rows = _rows(queue_url)
+        assert {status for status, *_ in rows.values()} == {"completed"} and len(rows) == 5
+        assert rows[long.id][1] == 2 and rows[long.id][2] == _owner_pid(queue_url, long.id)[0]  # attempt 2
+        videos = sorted(p.name for p in (jobs / "videos").glob("*.mp4"))
+        assert videos == sorted(Path(video).name for *_, video in rows.values())  # exactly one each
+        assert "taken over" not in survivor.output()
+    finally:
+        for r in replicas:
+            r.stop(signal.SIGKILL)
+
+
+def test_a_replica_stopped_past_its_lease_cannot_overwrite_the_new_owner(fp32_bundles, queue_url: str,
+                                                                          tmp_path: Path) -> None:
+    """SIGSTOP the replica running a job until its lease runs out; the other takes it over and completes it.
+    When the stopped one continues, its writes are refused: the job keeps its new owner, attempt and video."""
+    bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "shared-jobs"
+    replicas = [_replica(bundle, jobs, queue_url) for _ in range(2)]
+    try:
+        for r in replicas:
+            r.wait_ready()
+        client = replicas[0].client(key="unused")
+        job = client.videos.create(prompt="stopped while running", extra_body={"num_inference_steps": 300})
+        _wait(client, job.id, "in_progress")
+        first_owner, pid = _owner_pid(queue_url, job.id)
+        stopped = next(r for r in replicas if r.proc.pid == pid)
+        other = next(r for r in replicas if r is not stopped)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            client = other.client(key="unused")
+            done = _wait(client, job.id, ("completed", "failed"), timeout=240)
+            assert done.status == "completed", (done.error, other.output())
+            after = _rows(queue_url)[job.id]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.time() + 120  # the stopped replica finishes its (lost) run and drops it
+        while "its result is dropped" not in stopped.output() and time.time() < deadline:
+            time.sleep(0.2)
+        assert "its result is dropped" in stopped.output(), stopped.output()
+        status, attempts, owner, video = _rows(queue_url)[job.id]
+        assert (status, attempts, owner, video) == after and owner != first_owner and attempts == 2
+        assert sorted(p.name for p in (jobs / "videos").glob(f"{job.id}*")) == [Path(video).name]
+    finally:
+        for r in replicas:
+            r.stop(signal.SIGKILL)
+
+
+def test_replicas_starting_at_once_on_an_empty_database(queue_url: str, tmp_path: Path) -> None:
+    """Eight stores opened at once on a fresh database: the schema is created once, each works."""
+    from runtime.serve.jobs import open_store
+
+    stores, errors = [], []
+
+    def start(i: int) -> None:
+        try:
+            stores.append(open_store(tmp_path / f"jobs-{i}", queue_url, None, lease=5))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(stores) == 8
+    with psycopg.connect(queue_url) as conn:
+        assert conn.execute("SELECT version FROM wan_aot_schema").fetchall() == [(1,)]
+    added = stores[0].add(model="m", size="64x32", seconds="1", prompt="p", params={}, images=[], queue_size=4)
+    claimed = [s.claim() for s in stores]  # claims race for one job: exactly one store gets it
+    assert [c.id for c in claimed if c is not None] == [added.id]
+    for s in stores:
+        s.close()
+
+
+def test_claims_are_fenced_and_attempts_are_limited(queue_url: str, tmp_path: Path) -> None:
+    """In process, two stores on one database: a lease that ran out is taken over; the first owner's writes are
+    refused; a job claimed MAX_ATTEMPTS times fails with a code that says why."""
+    from runtime.serve.jobs import Lost, open_store
+
+    a = open_store(tmp_path / "a", queue_url, None, lease=0.3)
+    b = open_store(tmp_path / "b", queue_url, None, lease=0.3)
+    job = a.add(model="m", size="64x32", seconds="1", prompt="p", params={}, images=[b"\x89PNG"], queue_size=4)
+    mine = a.claim()
+    assert mine.id == job.id and b.claim() is None  # a's lease is fresh
+    assert a.heartbeat(mine)
+    time.sleep(0.5)
+    theirs = b.claim()  # a stopped heartbeating: b takes it over
+    assert theirs.id == job.id and theirs.attempts == 2
+    assert not a.heartbeat(mine)
+    with pytest.raises(Lost):
+        a.set_progress(mine, 50)
+    with pytest.raises(Lost):
+        a.complete(mine, a.video_key(mine))
+    time.sleep(0.5)  # b stops heartbeating too: out of attempts
+    assert a.claim() is None
+    failed = a.get(job.id)
+    assert (failed.status, failed.error_code) == ("failed", "attempts_exhausted")
+    assert "stopped (it died, hung or lost the database) 2 times" in failed.error_message
+    assert not a.storage.exists(job.images[0])  # its input images are dropped with it
+    with pytest.raises(Lost):
+        b.complete(theirs, b.video_key(theirs))
+
+
+def test_lease_stops_heartbeating_a_stalled_job() -> None:
+    from runtime.serve.lease import Lease
+
+    beats: list[float] = []
+    stalled = threading.Event()
+    with Lease(lambda: beats.append(time.monotonic()) or True, lease=0.8, stall=0.6, on_stall=stalled.set) as lease:
+        for _ in range(4):  # progress every 0.2 s: heartbeats go on
+            time.sleep(0.2)
+            lease.progress()
+        assert beats and not stalled.is_set()
+        n = len(beats)
+        assert stalled.wait(3)  # then no progress: it stalls, and stops
+        assert lease.stalled and len(beats) <= n + 3
+    lost = Lease(lambda: False, lease=0.4, stall=10, on_stall=lambda: None)
+    with lost:
+        time.sleep(0.5)
+    assert lost.lost
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    """moto's S3 server on loopback, with a bucket; yields the environment that points s3fs at it."""
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    import boto3
+
+    boto3.client("s3", endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"], aws_access_key_id="test",
+                 aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket="videos")
+    try:
+        yield env
+    finally:
+        server.stop()
+
+
+def test_videos_in_an_object_store(fp32_bundles, queue_url: str, s3: dict[str, str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas with no shared directory: videos and images go to s3://videos/run, content streams from
+    either; a write is one put (no partial object)."""
+    for k, v in s3.items():
+        monkeypatch.setenv(k, v)
+    from runtime.serve.storage import ObjectStore
+
+    store = ObjectStore("s3://videos/unit")
+    store.put("images/x.img", b"abc")
+    with store.writer("videos/y.mp4") as tmp:
+        tmp.write_bytes(b"0123456789" * 300_000)
+        assert not store.exists("videos/y.mp4")  # nothing there until the block ends
+    assert store.read("images/x.img") == b"abc" and b"".join(store.chunks("videos/y.mp4")) == b"0123456789" * 300_000
+    store.delete("images/x.img")
+    assert not store.exists("images/x.img")
+
+    bundle = fp32_bundles["tiny-64x32-f9"]
+    a = _replica(bundle, tmp_path / "a", queue_url, "--videos-url", "s3://videos/run", env=s3)
+    b = _replica(bundle, tmp_path / "b", queue_url, "--videos-url", "s3://videos/run", env=s3)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        video = a.client(key="unused").videos.create_and_poll(prompt="to the bucket", poll_interval_ms=50,
+                                                              extra_body={"num_inference_steps": 2})
+        assert video.status == "completed", (video.error, a.output(), b.output())
+        for server in (a, b):
+            data = server.client(key="unused").videos.download_content(video.id).read()
+            assert _mp4_frames(data, tmp_path).shape == (9, 32, 64, 3)
+        assert not list((tmp_path / "a" / "videos").glob("*.mp4")) and not list((tmp_path / "b").glob("videos/*.mp4"))
+        assert ObjectStore("s3://videos/run").exists(_rows(queue_url)[video.id][3])
+    finally:
+        a.stop(signal.SIGKILL)
+        b.stop(signal.SIGKILL)
+
+
+def test_a_bad_queue_url_is_one_line(fp32_bundles, tmp_path: Path) -> None:
+    from .conftest import run_module
+
+    port = _free_port()
+    with socket.socket() as s:  # nothing listens there
+        s.bind(("127.0.0.1", port))
+    for url, message in ((f"postgresql://postgres@127.0.0.1:{port}/x", "cannot connect to the job database"),
+                         ("mysql://x", "is not a postgresql:// URL")):
+        proc = run_module("runtime", "serve", str(fp32_bundles["tiny-64x32-f9"]), "--queue", url, "--jobs-dir",
+                          str(tmp_path / "jobs"), "--port", str(_free_port()), check=False, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
