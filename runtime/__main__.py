@@ -169,6 +169,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("WAN_AOT_API_KEY"),
                    help="clients must send Authorization: Bearer KEY (default: $WAN_AOT_API_KEY)")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    s.add_argument("--no-ui", action="store_true", help="no playground page at GET / (the API only)")
     s.add_argument("--jobs-dir", type=Path, default=Path("jobs"),
                    help="where jobs (SQLite) and videos live; survives restarts (default ./jobs)")
     s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait (in the shared queue); more get 429 "
@@ -370,7 +371,7 @@ def serve(args: argparse.Namespace) -> int:
     multi = jax.process_count() > 1
     settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         magcache=magcache_from_args(args), queue=args.queue, videos_url=args.videos_url,
-                        lease=args.lease, stall=args.stall)
+                        lease=args.lease, stall=args.stall, ui=not args.no_ui)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora

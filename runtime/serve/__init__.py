@@ -6,4 +6,5 @@
     storage.py   videos and uploaded images: a (shared) directory or an object store
     lease.py     a running job's heartbeat, and giving up when it stalls
     follower.py  processes 1..N-1 of a multi-host slice, running process 0's jobs
+    ui/          the playground page served at GET / (HTML, CSS and a script; the public API only)
 """

@@ -5,6 +5,7 @@
     GET    /v1/videos/{id}/content the mp4
     GET    /v1/videos              newest first (limit, after, order)
     GET    /v1/models              the bundle served and its shapes (size, frames, seconds)
+    GET    /                       the playground page (runtime/serve/ui/; off with --no-ui)
     DELETE /v1/videos/{id}
     GET    /health  /ready  /metrics
 
@@ -84,6 +85,7 @@ class Settings:
     videos_url: str | None = None  # videos and images in an object store instead of jobs_dir
     lease: float = 60.0  # seconds without a heartbeat after which another replica takes a job over
     stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
+    ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
 
 
 @dataclass
@@ -446,6 +448,9 @@ def create_app(state: State) -> FastAPI:
                                                  str(response.status_code)).observe(time.perf_counter() - t0)
         return response
 
+    if state.settings.ui:
+        add_playground(app)
+
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -532,6 +537,36 @@ def create_app(state: State) -> FastAPI:
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     return app
+
+
+UI_DIR = Path(__file__).with_name("ui")
+UI_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+# The page runs only its own script file (no inline script, no eval), talks only to this server, and shows media
+# only from it or from the blobs it downloaded.
+UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
+                               "media-src 'self' blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def add_playground(app: FastAPI) -> None:
+    """GET / (the page) and GET /ui/{app.js, style.css}: static files; the page uses the public API as any client
+    does, with the same authentication (it asks for the key), so it adds no way around the API's checks."""
+
+    @app.get("/", include_in_schema=False)
+    def page() -> Response:
+        return Response((UI_DIR / "index.html").read_bytes(), media_type="text/html; charset=utf-8",
+                        headers=UI_HEADERS)
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    def asset(name: str) -> Response:
+        if name not in UI_FILES:
+            raise ApiError(404, f"no route GET /ui/{name}")
+        return Response((UI_DIR / name).read_bytes(), media_type=UI_FILES[name], headers=UI_HEADERS)
 
 
 def model_card(state: State) -> dict[str, Any]:

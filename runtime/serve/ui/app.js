@@ -1,0 +1,216 @@
+// The playground: one page on the server's public API (/v1/models, /v1/videos, /v1/videos/{id},
+// /v1/videos/{id}/content), as any client would use it. Everything a user or the server wrote is shown with
+// textContent, never as HTML.
+"use strict";
+
+const KEY = "wan-aot-api-key";
+const $ = (id) => document.getElementById(id);
+const videos = new Map(); // job id -> object URL of its downloaded mp4
+let model = null;
+let polling = null;
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+async function api(path, options = {}) {
+  const headers = new Headers(options.headers || {});
+  const key = sessionStorage.getItem(KEY);
+  if (key) headers.set("Authorization", "Bearer " + key);
+  const response = await fetch(path, { ...options, headers });
+  if (!response.ok) {
+    let message = response.status + " " + response.statusText;
+    try {
+      const body = await response.json();
+      if (body && body.error && body.error.message) message = body.error.message;
+    } catch (_) { /* not JSON */ }
+    throw new ApiError(response.status, message);
+  }
+  return response;
+}
+
+function askForKey(message) {
+  stopPolling();
+  $("generate").hidden = true;
+  $("key-form").hidden = false;
+  $("key-error").textContent = message || "";
+  $("api-key").value = "";
+  $("api-key").focus();
+}
+
+function option(value, text) {
+  const o = document.createElement("option");
+  o.value = value;
+  o.textContent = text;
+  return o;
+}
+
+function fillDurations() {
+  const size = $("size").value;
+  const select = $("duration");
+  select.replaceChildren();
+  for (const shape of model.shapes.filter((s) => s.size === size)) {
+    select.append(option(shape.seconds, `${shape.frames} frames (${shape.seconds} s)`));
+  }
+}
+
+function showModel(card) {
+  model = card;
+  $("model").textContent = `${card.id}: ${card.title}, ${card.fps} fps (bundle ${card.bundle_id})`;
+  const sizes = [...new Set(card.shapes.map((s) => s.size))];
+  $("size").replaceChildren(...sizes.map((s) => option(s, s.replace("x", " × "))));
+  fillDurations();
+  $("steps").placeholder = String(card.defaults.steps);
+  $("guidance").placeholder = String(card.defaults.guidance);
+  $("guidance-2-field").hidden = card.experts < 2;
+  $("image-field").hidden = card.image === "none";
+  $("image").required = card.image === "required";
+  $("last-image-field").hidden = !card.last_image;
+  $("last-image").required = card.last_image;
+  $("key-form").hidden = true;
+  $("generate").hidden = false;
+}
+
+async function start() {
+  try {
+    const list = await (await api("/v1/models")).json();
+    showModel(list.data[0]);
+    startPolling();
+  } catch (e) {
+    if (e.status === 401) askForKey(sessionStorage.getItem(KEY) ? e.message : "");
+    else $("model").textContent = "The server cannot be reached: " + e.message;
+  }
+}
+
+async function generate(event) {
+  event.preventDefault();
+  $("form-error").textContent = "";
+  const fields = {
+    prompt: $("prompt").value,
+    negative_prompt: $("negative-prompt").value,
+    size: $("size").value,
+    seconds: $("duration").value,
+  };
+  const numbers = { num_inference_steps: "steps", guidance_scale: "guidance", seed: "seed" };
+  if (model.experts > 1) numbers.guidance_scale_2 = "guidance-2";
+  for (const [name, id] of Object.entries(numbers)) {
+    if ($(id).value !== "") fields[name] = Number($(id).value);
+  }
+  const images = { input_reference: $("image"), last_image: $("last-image") };
+  const withImages = Object.values(images).some((input) => input.files.length);
+  let options;
+  if (withImages) {
+    const form = new FormData();
+    for (const [name, value] of Object.entries(fields)) form.append(name, String(value));
+    for (const [name, input] of Object.entries(images)) if (input.files.length) form.append(name, input.files[0]);
+    options = { method: "POST", body: form };
+  } else {
+    options = { method: "POST", body: JSON.stringify(fields), headers: { "Content-Type": "application/json" } };
+  }
+  try {
+    await api("/v1/videos", options);
+    await refresh();
+  } catch (e) {
+    if (e.status === 401) askForKey(e.message);
+    else $("form-error").textContent = e.message;
+  }
+}
+
+function jobItem(job) {
+  const li = document.createElement("li");
+  li.dataset.id = job.id;
+  const head = document.createElement("div");
+  head.className = "job-head";
+  const prompt = document.createElement("span");
+  prompt.className = "job-prompt";
+  const meta = document.createElement("span");
+  meta.className = "job-meta";
+  head.append(prompt, meta);
+  const bar = document.createElement("progress");
+  bar.max = 100;
+  bar.setAttribute("aria-label", "Progress");
+  const error = document.createElement("p");
+  error.className = "error";
+  li.append(head, bar, error);
+  return li;
+}
+
+function updateItem(li, job) {
+  li.querySelector(".job-prompt").textContent = job.prompt;
+  li.querySelector(".job-meta").textContent = `${job.size}, ${job.seconds} s · ${job.status.replace("_", " ")}`;
+  const bar = li.querySelector("progress");
+  bar.value = job.progress;
+  bar.hidden = job.status === "completed" || job.status === "failed";
+  li.querySelector(".error").textContent = job.status === "failed" && job.error ? job.error.message : "";
+  if (job.status === "completed" && !li.querySelector("video")) showVideo(li, job);
+}
+
+async function showVideo(li, job) {
+  li.dataset.loading = "1";
+  try {
+    if (!videos.has(job.id)) {
+      const blob = await (await api(`/v1/videos/${encodeURIComponent(job.id)}/content`)).blob();
+      videos.set(job.id, URL.createObjectURL(blob));
+    }
+    if (li.querySelector("video")) return;
+    const video = document.createElement("video");
+    video.controls = true;
+    video.loop = true;
+    video.muted = true;
+    video.src = videos.get(job.id);
+    video.setAttribute("aria-label", "Video: " + job.prompt);
+    const link = document.createElement("a");
+    link.href = videos.get(job.id);
+    link.download = job.id + ".mp4";
+    link.textContent = "Download";
+    li.append(video, link);
+  } catch (e) {
+    li.querySelector(".error").textContent = "Cannot load the video: " + e.message;
+  }
+}
+
+async function refresh() {
+  let page;
+  try {
+    page = await (await api("/v1/videos?limit=20")).json();
+  } catch (e) {
+    if (e.status === 401) askForKey(e.message);
+    return;
+  }
+  const list = $("jobs");
+  const items = new Map([...list.children].map((li) => [li.dataset.id, li]));
+  const ordered = page.data.map((job) => {
+    const li = items.get(job.id) || jobItem(job);
+    updateItem(li, job);
+    return li;
+  });
+  ordered.forEach((li, i) => {
+    if (list.children[i] !== li) list.insertBefore(li, list.children[i] || null);
+  });
+  for (const [id, li] of items) if (!page.data.some((j) => j.id === id)) li.remove();
+}
+
+function startPolling() {
+  stopPolling();
+  refresh();
+  polling = setInterval(refresh, 500);
+}
+
+function stopPolling() {
+  if (polling !== null) clearInterval(polling);
+  polling = null;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("generate").addEventListener("submit", generate);
+  $("size").addEventListener("change", fillDurations);
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(KEY, $("api-key").value);
+    start();
+  });
+  start();
+});

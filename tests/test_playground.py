@@ -1,0 +1,145 @@
+"""The playground page at `runtime serve`'s GET /, driven in a real browser: Debian's chromium, headless, through
+Playwright for Python with that executable (`.ci/run` installs chromium where it is missing).
+
+On the tiny bundle of two sizes: the page asks for the API key (a wrong one shows the 401's message), fills its
+pickers from the bundle's shapes, creates a job from the form (with the keyboard), shows the progress moving,
+plays the finished video and offers it for download; a prompt made of HTML is shown as text; the page runs no
+inline script; `--no-ui` serves no page.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .test_serve import KEY, Server, serving
+
+sync_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\"> a fox & <b>snow</b>"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if CHROMIUM is None:
+        raise AssertionError("chromium is not installed: apt-get install chromium (.ci/run does)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def ui_server(shapes_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(shapes_bundle, tmp_path_factory.mktemp("ui") / "jobs", "--api-key", KEY) as server:
+        yield server
+
+
+def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_path: Path) -> None:
+    import httpx
+
+    page = browser.new_page(viewport={"width": 1000, "height": 900}, accept_downloads=True)
+    problems: list[str] = []
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" and "401" not in m.text else None)
+    page.goto(ui_server.url + "/")
+
+    # the key: asked for once; a wrong one shows the server's 401 message and can be entered again
+    key = page.get_by_label("API key")
+    key.fill("wrong-key")
+    page.get_by_role("button", name="Use key").click()
+    sync_api.expect(page.locator("#key-error")).to_contain_text("missing or wrong API key")
+    sync_api.expect(key).to_be_visible()
+    key.fill(KEY)
+    key.press("Enter")
+    prompt = page.get_by_label("Prompt", exact=True)
+    sync_api.expect(prompt).to_be_visible()
+    assert page.evaluate("sessionStorage.getItem('wan-aot-api-key')") == KEY
+
+    # pickers from the bundle's shapes; the second expert's guidance and the image inputs only where they apply
+    size = page.get_by_label("Size")
+    assert size.locator("option").all_inner_texts() == ["64 × 32", "32 × 64"]
+    size.select_option("32x64")
+    assert page.get_by_label("Duration").locator("option").all_inner_texts() == ["9 frames (0.5625 s)",
+                                                                                 "5 frames (0.3125 s)"]
+    page.get_by_label("Duration").select_option("0.5625")
+    for hidden in ("Guidance 2", "Image (first frame)", "Last frame"):
+        assert not page.get_by_label(hidden).is_visible()
+
+    # a prompt made of HTML, submitted from the keyboard
+    prompt.fill(HOSTILE)
+    page.get_by_label("Steps").fill("400")
+    page.get_by_label("Seed").fill("3")
+    page.get_by_role("button", name="Generate").focus()
+    page.keyboard.press("Enter")
+    job = page.locator("#jobs li").first
+    sync_api.expect(job).to_be_visible(timeout=10_000)
+    assert job.locator(".job-prompt").inner_text() == HOSTILE  # the text itself: no element made of it
+    assert page.locator("#jobs img, #jobs b").count() == 0 and page.title() != "pwned"
+
+    seen = set()
+    deadline = time.time() + 180
+    while time.time() < deadline and not job.locator("video").count():
+        bar = job.locator("progress")
+        if bar.count() and bar.is_visible():
+            seen.add(int(bar.get_attribute("value") or 0))
+        time.sleep(0.1)
+    assert any(0 < v < 100 for v in seen), seen  # the bar moved with the steps
+    video = job.locator("video")
+    page.wait_for_function("v => v.readyState >= 1 && v.duration > 0", arg=video.element_handle(), timeout=60_000)
+    duration = video.evaluate("v => v.duration")
+    assert abs(duration - 0.5625) < 0.1, duration  # 9 frames at 16 fps
+    assert video.evaluate("v => [v.videoWidth, v.videoHeight]") == [32, 64]
+
+    # the download link gives the mp4
+    with page.expect_download() as info:
+        job.get_by_role("link", name="Download").click()
+    data = Path(info.value.path()).read_bytes()
+    assert data[4:8] == b"ftyp" and info.value.suggested_filename.endswith(".mp4")
+
+    # the job is the API's, made as any client makes one
+    listed = httpx.get(ui_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+    assert listed[0]["prompt"] == HOSTILE and listed[0]["size"] == "32x64" and listed[0]["status"] == "completed"
+    assert not problems, problems
+
+    if os.environ.get("WAN_AOT_SCREENSHOT"):  # the README's picture: WAN_AOT_SCREENSHOT=docs/playground.png
+        page.screenshot(path=os.environ["WAN_AOT_SCREENSHOT"], full_page=True)
+    page.close()
+
+
+def test_the_page_runs_no_inline_script(ui_server: Server) -> None:
+    import re
+
+    import httpx
+
+    r = httpx.get(ui_server.url + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    scripts = re.findall(r"<script([^>]*)>(.*?)</script>", r.text, re.S)
+    assert scripts and all('src="/ui/' in attrs and not body.strip() for attrs, body in scripts)
+    assert not re.search(r"\son[a-z]+\s*=", r.text, re.I)  # no onclick= handlers in the markup either
+    assert httpx.get(ui_server.url + "/ui/app.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(ui_server.url + "/ui/../jobs.sqlite3").status_code == 404
+    assert httpx.get(ui_server.url + "/v1/videos").status_code == 401  # the page opens no way around the key
+
+
+def test_no_ui_serves_no_page(shapes_bundle: Path, tmp_path: Path) -> None:
+    import httpx
+
+    server = Server(shapes_bundle, tmp_path / "jobs", "--no-ui")
+    try:
+        server.wait_ready()
+        for path in ("/", "/ui/app.js"):
+            r = httpx.get(server.url + path)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    finally:
+        server.stop(signal.SIGKILL)
