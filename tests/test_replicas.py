@@ -338,3 +338,40 @@ def test_a_bad_queue_url_is_one_line(fp32_bundles, tmp_path: Path) -> None:
         proc = run_module("runtime", "serve", str(fp32_bundles["tiny-64x32-f9"]), "--queue", url, "--jobs-dir",
                           str(tmp_path / "jobs"), "--port", str(_free_port()), check=False, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_jobs_directory_from_before_the_lease_columns_is_upgraded(tmp_path: Path) -> None:
+    """A single server's SQLite queue written by the previous release (no owner, heartbeat or video columns; videos
+    at videos/<id>.mp4, images by bare name) opens, keeps its jobs and runs the queued one."""
+    import json
+    import sqlite3
+
+    from runtime.serve.jobs import open_store
+
+    jobs = tmp_path / "jobs"
+    (jobs / "videos").mkdir(parents=True)
+    (jobs / "images").mkdir()
+    db = sqlite3.connect(jobs / "jobs.sqlite3")
+    db.executescript("""
+        CREATE TABLE jobs (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, created_at INTEGER NOT NULL,
+            completed_at INTEGER, status TEXT NOT NULL, progress INTEGER NOT NULL DEFAULT 0,
+            attempts INTEGER NOT NULL DEFAULT 0, model TEXT NOT NULL, size TEXT NOT NULL, seconds TEXT NOT NULL,
+            prompt TEXT NOT NULL, params TEXT NOT NULL, image TEXT, error_code TEXT, error_message TEXT);
+        CREATE INDEX jobs_by_status ON jobs (status, seq);
+    """)
+    row = "INSERT INTO jobs (id, seq, created_at, status, model, size, seconds, prompt, params, image) VALUES " \
+          "(?, ?, 1, ?, 'm', '64x32', '1', 'p', '{}', ?)"
+    db.execute(row, ("video_old", 1, "completed", "[]"))
+    db.execute(row, ("video_waiting", 2, "queued", json.dumps(["video_waiting-0.img"])))
+    db.commit()
+    db.close()
+    (jobs / "videos" / "video_old.mp4").write_bytes(b"old video")
+    (jobs / "images" / "video_waiting-0.img").write_bytes(b"image")
+    store = open_store(jobs)
+    old = store.get("video_old")
+    assert old.video == "videos/video_old.mp4" and store.storage.read(old.video) == b"old video"
+    job = store.claim()
+    assert job.id == "video_waiting" and store.storage.read(job.images[0]) == b"image"
+    store.complete(job, store.video_key(job))
+    assert store.get(job.id).status == "completed" and not store.storage.exists(job.images[0])
+    store.close()
