@@ -472,7 +472,8 @@ def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Targe
         for which in (vae_stage.FIRST, vae_stage.NEXT)[: 1 if chunks == 1 else 2]:
             chunk = TensorSpec(vae_stage.chunk_shape(vae, direction, which, batch, height, width), "float32")
             inputs = {arg: chunk, **(cache_inputs if which == vae_stage.NEXT else {})}
-            # Activations split on width (or height) over all devices; results come back whole (host 0 writes the video).
+            # Activations split on width (or height) over all devices; results come back whole (host 0 writes the
+            # video).
             dim = sharding.spatial_dim(chunk.shape, target.mesh)
             split = {k: sharding.width_split(c.shape, target.mesh, dim)
                      for k, c in {arg: chunk, **cache_inputs}.items()}
