@@ -143,3 +143,33 @@ def test_no_ui_serves_no_page(shapes_bundle: Path, tmp_path: Path) -> None:
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_an_image_kind_shows_its_image_input_and_sends_the_image(browser, kind_bundles, tmp_path: Path) -> None:
+    """A first-last-frame bundle (no key on this server): both image inputs are shown and required; the job goes
+    as a multipart form with the images, as the SDK sends it, and its video plays."""
+    from .conftest import test_image
+
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    test_image(70, 50, seed=1).save(first)
+    test_image(40, 64, seed=2).save(last)
+    with serving(kind_bundles["flf2v"], tmp_path / "jobs") as server:
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        sync_api.expect(page.get_by_label("Prompt", exact=True)).to_be_visible()
+        assert not page.get_by_label("API key").is_visible()  # this server needs none
+        image, last_image = page.get_by_label("Image (first frame)"), page.get_by_label("Last frame")
+        assert image.is_visible() and last_image.is_visible() and not page.get_by_label("Guidance 2").is_visible()
+        page.get_by_label("Prompt", exact=True).fill("a bird flies from one frame to the other")
+        page.get_by_label("Steps").fill("2")
+        page.get_by_role("button", name="Generate").click()  # without the images: the browser asks for them
+        assert page.locator("#jobs li").count() == 0
+        image.set_input_files(str(first))
+        last_image.set_input_files(str(last))
+        page.get_by_role("button", name="Generate").click()
+        video = page.locator("#jobs li").first.locator("video")
+        sync_api.expect(video).to_have_count(1, timeout=120_000)
+        page.wait_for_function("v => v.readyState >= 1 && v.duration > 0", arg=video.element_handle(),
+                               timeout=60_000)
+        assert video.evaluate("v => [v.videoWidth, v.videoHeight]") == [64, 32]
+        page.close()
