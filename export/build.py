@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 from runtime import images, kinds
 from runtime import scheduler as sched
 from runtime.errors import UserError
+from runtime.files import process_alive
 from runtime.kinds import Kind
 from runtime.manifest import (
     MANIFEST_FILE,
@@ -495,7 +496,7 @@ def _fresh_tmp(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by an export that was killed
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             log.info("removing %s, left by an interrupted export", stale)
             shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -503,16 +504,6 @@ def _fresh_tmp(out: Path) -> Path:
     for sub in ("stages", "weights", "tokenizer"):
         (tmp / sub).mkdir(parents=True)
     return tmp
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def replace_dir(tmp: Path, out: Path) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import process_alive
 from .db import Database
 from .storage import Storage
 
@@ -261,15 +262,9 @@ def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None 
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # our own pid under another owner name: a previous run of this process's container
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether an owner's process is still there; our own pid under another owner name is a previous run of this
+    process's container, so not."""
+    return pid != os.getpid() and process_alive(pid)
 
 
 def _job(row: tuple) -> Job:
