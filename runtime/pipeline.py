@@ -74,13 +74,13 @@ class Pipeline:
                             "(export one with --resolution/--frames for others)")
         return g
 
-    def shape_of_latents(self, shape: tuple[int, ...], what: str = "latents") -> mf.Geometry:
+    def shape_of_latents(self, shape: tuple[int, ...]) -> mf.Geometry:
         """The bundle's shape whose latents have this shape; UserError naming the shapes if none."""
         for g in self.manifest.shapes:
             if tuple(shape) == g.latent_shape:
                 return g
         want = ", ".join(f"{list(g.latent_shape)} ({g.size} x {g.frames} frames)" for g in self.manifest.shapes)
-        raise UserError(f"{what} have shape {list(shape)}, this bundle needs one of {want}")
+        raise UserError(f"latents have shape {list(shape)}, this bundle needs one of {want}")
 
     def _at(self, program: str, g: mf.Geometry) -> str:
         """The name of program `program` (as kinds names it) for shape `g`."""

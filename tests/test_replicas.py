@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,26 @@ def _replica(bundle: Path, jobs: Path, queue: str, *extra: str, env: dict[str, s
     return Server(bundle, jobs, "--queue", queue, "--lease", LEASE, *extra, env=env)
 
 
+@contextmanager
+def _ready_replicas(bundle: Path, jobs: Path, queue: str, n: int = 2) -> Iterator[list[Server]]:
+    """n replicas of one queue and one jobs directory, started at once, ready; SIGKILLed at the end."""
+    replicas = [_replica(bundle, jobs, queue) for _ in range(n)]
+    try:
+        for r in replicas:
+            r.wait_ready()
+        yield replicas
+    finally:
+        for r in replicas:
+            r.stop(signal.SIGKILL)
+
+
+def _running_and_other(replicas: list[Server], queue: str, job_id: str) -> tuple[str, Server, Server]:
+    """(owner name, the replica running the job, the other one)."""
+    owner, pid = _owner_pid(queue, job_id)
+    running = next(r for r in replicas if r.proc.pid == pid)
+    return owner, running, next(r for r in replicas if r is not running)
+
+
 def _owner_pid(queue: str, job_id: str) -> tuple[str, int]:
     with psycopg.connect(queue) as conn:
         owner, = conn.execute("SELECT owner FROM jobs WHERE id = %s", (job_id,)).fetchone()
@@ -134,18 +155,13 @@ def test_two_replicas_serve_one_queue(fp32_bundles, queue_url: str, tmp_path: Pa
 def test_sigkill_of_the_running_replica_loses_nothing(fp32_bundles, queue_url: str, tmp_path: Path) -> None:
     """The replica running a job is killed: after the lease the other one takes the job over; every accepted job
     completes exactly once (one video each), none is lost or left in progress."""
-    bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "shared-jobs"
-    replicas = [_replica(bundle, jobs, queue_url) for _ in range(2)]
-    try:
-        for r in replicas:
-            r.wait_ready()
+    jobs = tmp_path / "shared-jobs"
+    with _ready_replicas(fp32_bundles["tiny-64x32-f9"], jobs, queue_url) as replicas:
         client = replicas[0].client(key="unused")
         long = client.videos.create(prompt="killed while running", extra_body={"num_inference_steps": 400})
         others = [client.videos.create(prompt=f"job {i}", extra_body={"num_inference_steps": 3}) for i in range(4)]
         _wait(client, long.id, "in_progress")
-        _, pid = _owner_pid(queue_url, long.id)
-        victim = next(r for r in replicas if r.proc.pid == pid)
-        survivor = next(r for r in replicas if r is not victim)
+        _, victim, survivor = _running_and_other(replicas, queue_url, long.id)
         victim.stop(signal.SIGKILL)
         client = survivor.client(key="unused")
         for video in (long, *others):
@@ -157,26 +173,19 @@ def test_sigkill_of_the_running_replica_loses_nothing(fp32_bundles, queue_url: s
         videos = sorted(p.name for p in (jobs / "videos").glob("*.mp4"))
         assert videos == sorted(Path(video).name for *_, video in rows.values())  # exactly one each
         assert "taken over" not in survivor.output()
-    finally:
-        for r in replicas:
-            r.stop(signal.SIGKILL)
 
 
 def test_a_replica_stopped_past_its_lease_cannot_overwrite_the_new_owner(fp32_bundles, queue_url: str,
                                                                           tmp_path: Path) -> None:
     """SIGSTOP the replica running a job until its lease runs out; the other takes it over and completes it.
     When the stopped one continues, its writes are refused: the job keeps its new owner, attempt and video."""
-    bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "shared-jobs"
-    replicas = [_replica(bundle, jobs, queue_url) for _ in range(2)]
-    try:
-        for r in replicas:
-            r.wait_ready()
+    jobs = tmp_path / "shared-jobs"
+    with _ready_replicas(fp32_bundles["tiny-64x32-f9"], jobs, queue_url) as replicas:
         client = replicas[0].client(key="unused")
         job = client.videos.create(prompt="stopped while running", extra_body={"num_inference_steps": 300})
         _wait(client, job.id, "in_progress")
-        first_owner, pid = _owner_pid(queue_url, job.id)
-        stopped = next(r for r in replicas if r.proc.pid == pid)
-        other = next(r for r in replicas if r is not stopped)
+        first_owner, stopped, other = _running_and_other(replicas, queue_url, job.id)
+        pid = stopped.proc.pid
         os.kill(pid, signal.SIGSTOP)
         try:
             client = other.client(key="unused")
@@ -192,9 +201,6 @@ def test_a_replica_stopped_past_its_lease_cannot_overwrite_the_new_owner(fp32_bu
         status, attempts, owner, video = _rows(queue_url)[job.id]
         assert (status, attempts, owner, video) == after and owner != first_owner and attempts == 2
         assert sorted(p.name for p in (jobs / "videos").glob(f"{job.id}*")) == [Path(video).name]
-    finally:
-        for r in replicas:
-            r.stop(signal.SIGKILL)
 
 
 def test_replicas_starting_at_once_on_an_empty_database(queue_url: str, tmp_path: Path) -> None:

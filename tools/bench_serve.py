@@ -34,6 +34,18 @@ def _free_port() -> int:
 
 
 def time_to_ready(bundle: str, cache_dir: str, timeout: float = 1800) -> float:
+    return serve_until_ready(bundle, cache_dir, timeout)[0]
+
+
+def _peak_rss_gb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
+def serve_until_ready(bundle: str, cache_dir: str, timeout: float = 1800) -> tuple[float, float]:
+    """(seconds from spawning `runtime serve` to GET /ready answering 200, the server's peak RSS in GB then)."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="bench-serve-jobs-") as jobs:
         spawned = time.time()
@@ -48,7 +60,7 @@ def time_to_ready(bundle: str, cache_dir: str, timeout: float = 1800) -> float:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
                         if r.status == 200:
-                            return time.time() - spawned
+                            return time.time() - spawned, _peak_rss_gb(proc.pid)
                 except OSError:
                     pass
                 time.sleep(0.02)

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,43 +64,11 @@ def bench_export(repeats: int, work: Path) -> None:
             print(f"| {name} | {n} | {t:.2f} | {extra_shape} | {ratio} |", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ready(bundle: Path, cache_dir: str) -> tuple[float, float]:
+    """(seconds from spawn to /ready 200, the server's peak RSS in GB then): tools/bench_serve.py's measure."""
+    from bench_serve import serve_until_ready
 
-
-def _peak_rss_gb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1e6
-    return float("nan")
-
-
-def ready(bundle: Path, cache_dir: str, timeout: float = 3600) -> tuple[float, float]:
-    """(seconds from spawn to /ready 200, the server's peak RSS in GB then)."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="bench-shapes-jobs-") as jobs:
-        spawned = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", str(bundle), "--port", str(port),
-                                 "--jobs-dir", jobs, "--cache-dir", cache_dir, "-q"], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-        try:
-            while time.time() - spawned < timeout:
-                if proc.poll() is not None:
-                    raise SystemExit(f"error: the server exited:\n{proc.stderr.read()[-3000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
-                        if r.status == 200:
-                            return time.time() - spawned, _peak_rss_gb(proc.pid)
-                except OSError:
-                    pass
-                time.sleep(0.02)
-            raise SystemExit(f"error: not ready after {timeout} s")
-        finally:
-            proc.kill()
-            proc.wait()
+    return serve_until_ready(str(bundle), cache_dir, timeout=3600)
 
 
 SHAPE_COMPILES = """

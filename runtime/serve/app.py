@@ -519,11 +519,11 @@ def create_app(state: State) -> FastAPI:
                            code="video_not_ready")
         if not job.video or not store.storage.exists(job.video):
             raise ApiError(404, f"the file of video {video_id} is gone from the video storage")
-        disposition = {"Content-Disposition": f'attachment; filename="{video_id}.mp4"'}
         path = store.storage.local_path(job.video)
         if path is not None:
             return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
-        return StreamingResponse(store.storage.chunks(job.video), media_type="video/mp4", headers=disposition)
+        return StreamingResponse(store.storage.chunks(job.video), media_type="video/mp4",
+                                 headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
 
     @app.delete("/v1/videos/{video_id}")
     def delete(video_id: str) -> dict[str, Any]:
@@ -575,21 +575,14 @@ def model_card(state: State) -> dict[str, Any]:
     pipe = state.pipe
     m = pipe.manifest
     fps = m.defaults.fps
-    created = int(mf_time(state.settings.bundle))
+    manifest = state.settings.bundle / "manifest.json"
+    created = int(manifest.stat().st_mtime) if manifest.is_file() else 0  # when the bundle was written
     return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
             "bundle_id": pipe.bundle_id, "kind": pipe.kind.name, "title": pipe.kind.title,
             "image": pipe.kind.image, "last_image": pipe.kind.last_image, "experts": pipe.kind.experts,
             "fps": fps, "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance},
             "shapes": [{"size": g.size, "frames": g.frames, "seconds": f"{g.frames / fps:g}", "default": i == 0}
                        for i, g in enumerate(m.shapes)]}
-
-
-def mf_time(bundle: Path) -> float:
-    """When the bundle was written (its manifest's modification time): the model's `created`."""
-    try:
-        return (bundle / "manifest.json").stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def _create(state: State, fields: dict[str, Any], images: dict[str, bytes]) -> JSONResponse:
