@@ -5,6 +5,9 @@
     python -m export --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --resolution 480p --out artifacts/wan-1.3b-480p
     python -m export --model wan2.1-t2v-14b --no-weights --resolution 720p --target tpu-v6e-8 --out artifacts/14b
     python -m export --attach-weights artifacts/14b --weights Wan-AI/Wan2.1-T2V-14B-Diffusers
+    python -m export --model tiny --resolution 64x64 --frames 9 --quantize int8 --out artifacts/tiny-int8
+    python -m export --attach-weights artifacts/14b-int8 --weights Wan-AI/Wan2.1-T2V-14B-Diffusers \
+        --dit-weights wan2.1_t2v_14b_int8_lightx2v.safetensors     # a pre-quantized DiT (lightx2v's layout)
     python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
     python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel    # TF Serving (extra: savedmodel)
     python -m export --lora my_lora.safetensors --bundle artifacts/tiny --out artifacts/my_lora.safetensors
@@ -28,6 +31,7 @@ from . import tiny
 from .architectures import ARCHITECTURES
 from .attention import AttentionConfig
 from .flash_tpu import FlashBlocks
+from .quantize import MODES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +45,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
                    help="instead of exporting: add the weights of --weights to this --no-weights bundle")
     p.add_argument("--weights", metavar="SOURCE", help="checkpoint (directory or hub id) for --attach-weights")
+    p.add_argument("--quantize", choices=MODES, default=None,
+                   help="store the DiT's and the encoders' linear layers in 8 bits with a scale per output channel "
+                        "(int8 or fp8: weights only, dequantized next to the matmul; int8-dynamic: int8 weights and "
+                        "int8 activations per token, int8 x int8 -> int32 dots). With --attach-weights it must be "
+                        "the mode the bundle was exported with (the default)")
+    p.add_argument("--dit-weights", action="append", type=Path, metavar="FILE",
+                   help="with --attach-weights: a pre-quantized DiT checkpoint in lightx2v's layout (original Wan "
+                        "names, int8 or float8_e4m3fn weights with a per-row weight_scale; a .safetensors file or a "
+                        "directory of them) used as is instead of quantizing --weights' DiT; give it once per "
+                        "expert, the high-noise one first")
     p.add_argument("--savedmodel", type=Path, metavar="BUNDLE",
                    help="instead of exporting: write this finished cpu/cuda bundle as a TensorFlow SavedModel "
                         "(TF Serving layout: OUT/1/saved_model.pb) to --out; needs the savedmodel extra, not torch")
@@ -111,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--bundle and --lora-into go with --lora SOURCE")
         if args.validate:
             raise UserError("--validate goes with --savedmodel BUNDLE")
+        if args.dit_weights:
+            raise UserError("--dit-weights goes with --attach-weights BUNDLE --weights SOURCE")
         from .build import Settings, build_bundle, parse_frames, parse_shapes, size_multiple
 
         if args.resolution is None or args.out is None:
@@ -137,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                             attention=AttentionConfig(
                                 block_q=args.attention_block_q, block_kv=args.attention_block_kv,
                                 flash=_flash_blocks(args),
-                                k_smoothing=args.k_smoothing))
+                                k_smoothing=args.k_smoothing),
+                            quantize=args.quantize)
         manifest = build_bundle(src, settings, args.out, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -189,8 +206,13 @@ def _attach(args: argparse.Namespace) -> int:
     if not args.weights:
         raise UserError("--attach-weights needs --weights SOURCE (a diffusers-format directory or hub id)")
     t0 = time.perf_counter()
+    if Path(args.weights).is_file() and args.weights.endswith(".safetensors"):
+        raise UserError(f"--weights {args.weights} is one file: give the whole diffusers-format checkpoint as "
+                        "--weights (for the text encoder, VAE and tokenizer) and a pre-quantized DiT file as "
+                        "--dit-weights")
     dtype = mf.read(args.attach_weights).dtype
-    manifest = attach_weights(args.attach_weights, load(args.weights, dtype, args.revision), force=args.force)
+    manifest = attach_weights(args.attach_weights, load(args.weights, dtype, args.revision), force=args.force,
+                              quantize=args.quantize, dit_weights=args.dit_weights or [])
     logging.getLogger("export").info("attached weights to %s (bundle %s) in %.1f s", args.attach_weights,
                                      manifest.bundle_id, time.perf_counter() - t0)
     return 0

@@ -21,18 +21,37 @@ from runtime.errors import UserError
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .build import FAMILIES, load_component, replace_dir, write_tokenizer
+from .prequantized import read_lightx2v
 from .source import Source
 
 log = logging.getLogger("export")
 
 
-def attach_weights(bundle: Path, src: Source, force: bool = False) -> mf.Manifest:
-    """Write `src`'s weights and tokenizer into `bundle` (a --no-weights bundle, or any bundle with force)."""
+def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str | None = None,
+                   dit_weights: list[Path] | None = None) -> mf.Manifest:
+    """Write `src`'s weights and tokenizer into `bundle` (a --no-weights bundle, or any bundle with force).
+
+    A quantized bundle takes `src`'s weights quantized as at export (`quantize`, when given, must be the
+    bundle's mode), or its DiT experts from pre-quantized files in lightx2v's layout (`dit_weights`, one
+    per expert in order; export/prequantized.py), used as they are."""
     import torch
 
     manifest = mf.read(bundle)
     if manifest.has_weights and not force:
         raise UserError(f"{bundle} already has weights: pass --force to replace them")
+    if quantize is not None and quantize != manifest.quantize:
+        was = f"with --quantize {manifest.quantize}" if manifest.quantize else "without --quantize"
+        raise UserError(f"{bundle} was exported {was} and its programs take weights stored that way: attach "
+                        f"{was}, or export the bundle again with --quantize {quantize}")
+    experts = [g for g in manifest.weights if g in ("transformer", "transformer_2")]
+    dit_weights = list(dit_weights or [])
+    if dit_weights and manifest.quantize is None:
+        raise UserError("--dit-weights takes a pre-quantized DiT: the bundle must be exported with the file's "
+                        "--quantize mode")
+    if len(dit_weights) not in (0, len(experts)):
+        raise UserError(f"{bundle} has {len(experts)} DiT expert(s) ({', '.join(experts)}): give --dit-weights "
+                        f"once per expert, the high-noise one first (got {len(dit_weights)})")
+    prequantized = dict(zip(experts, dit_weights))
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
     _check_baked(manifest, src)
@@ -46,14 +65,26 @@ def attach_weights(bundle: Path, src: Source, force: bool = False) -> mf.Manifes
             for group, wf in manifest.weights.items():
                 if group not in FAMILIES:
                     raise UserError(f"{bundle} lists an unknown weight group {group!r}: re-export it")
-                module, ex = load_component(src, group, AttentionConfig())
-                got = {k: weight_writer.spec(t) for k, t in ex.weights.items()}
-                _check_same(group, wf.tensors, got, src.id)
+                if group in prequantized:
+                    # The RoPE tables are computed, not stored: take them from the model built from its config.
+                    module = dataclasses.replace(src, weights=False).load_transformer(group)
+                    computed = {k: v for k, v in module.named_buffers() if v.device.type != "meta"}
+                    tensors = read_lightx2v(prequantized[group], wf, group, computed)
+                    label = str(prequantized[group])
+                else:
+                    module, ex = load_component(src, group, AttentionConfig(), quantize=manifest.quantize)
+                    tensors, label = ex.weights, src.id
+                    if ex.quantized != wf.quantized:
+                        raise UserError(f"{src.id}'s {group} quantizes other tensors than the bundle records: "
+                                        "export the bundle again with this wan-aot")
+                got = {k: weight_writer.spec(t) for k, t in tensors.items()}
+                _check_same(group, wf.tensors, got, label)
                 rel = f"weights/{group}.safetensors"
                 log.info("writing %s weights", group)
-                weight_writer.write(tmp / rel, ex.weights)
+                weight_writer.write(tmp / rel, tensors)
                 files[group] = dataclasses.replace(wf, file=rel, sha256=mf.sha256_file(tmp / rel))
-                del module, ex
+                del module, tensors
+                ex = None
                 gc.collect()
         tokenizer = write_tokenizer(tmp, src.tokenizer_json)
         described = src.describe()

@@ -65,6 +65,7 @@ class Settings:
     dtype: str  # "bf16" | "fp32"
     target: Target
     attention: AttentionConfig = AttentionConfig()
+    quantize: str | None = None  # export/quantize.py MODES
 
 
 def size_multiple(src: Source) -> int:
@@ -167,31 +168,37 @@ def dit_shape(src: Source, geo: Geometry) -> sharding.DitShape:
 
 
 def load_component(src: Source, group: str, attention: AttentionConfig, mesh: Any = None,
-                   platform: str = "cpu") -> tuple[Any, Extracted]:
+                   platform: str = "cpu", quantize: str | None = None) -> tuple[Any, Extracted]:
     """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
 
     Only the DiT runs the TPU kernel (sharded over `mesh`); the encoders and VAE use XLA attention.
     On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py; the decoder is replaced by
     export/vae_decoder.py in `export_vae`) and bf16 matmuls accumulate in fp32 (export/cpu_dots.py).
+    With `quantize`, the layers export/quantize.py's table names are swapped for quantized ones before
+    the module is extracted, so every program traced from it takes the quantized tensors.
     """
     cpu = platform == "cpu"
-    if group not in ("transformer", "transformer_2"):
-        attention = dataclasses.replace(attention, kernel="xla")
-    if group == "text_encoder":
-        module = src.load_text_encoder()
-        return module, extract(module, attention, cpu_dots=cpu)
-    if group == "image_encoder":
-        module = src.load_image_encoder()
-        return module, extract(module, attention, cpu_dots=cpu)
-    if group in ("transformer", "transformer_2"):
-        module = src.load_transformer(group)
-        return module, extract(module, attention, mesh, {r"blocks\.\d+": lambda: sharding.current_layout().hidden},
-                             cpu_dots=cpu)
+    loaders = {"text_encoder": src.load_text_encoder, "image_encoder": src.load_image_encoder,
+               "transformer": lambda: src.load_transformer("transformer"),
+               "transformer_2": lambda: src.load_transformer("transformer_2"), "vae": src.load_vae}
+    if group not in loaders:
+        raise KeyError(group)
+    module = loaders[group]()
+    quantized = {}
+    if quantize:
+        from . import quantize as quant
+
+        quantized = quant.apply(module, group, quantize)
     if group == "vae":
-        module = src.load_vae()
         parts = vae_stage.module(module, encode=bool(src.model.vae_encode))
-        return module, extract(parts, attention, conv_as_2d=cpu)
-    raise KeyError(group)
+        ex = extract(parts, dataclasses.replace(attention, kernel="xla"), conv_as_2d=cpu)
+    elif group in ("transformer", "transformer_2"):
+        ex = extract(module, attention, mesh, {r"blocks\.\d+": lambda: sharding.current_layout().hidden},
+                     cpu_dots=cpu)
+    else:
+        ex = extract(module, dataclasses.replace(attention, kernel="xla"), cpu_dots=cpu)
+    ex.quantized = quantized
+    return module, ex
 
 
 def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Manifest:
@@ -216,10 +223,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         weight_files: dict[str, WeightFile] = {}
         partitions: dict[str, dict[str, PartitionSpec]] = {}
 
-        def add_weights(group: str, weights: dict[str, Any]) -> None:
+        def add_weights(group: str, weights: dict[str, Any], quantized: dict[str, str]) -> None:
             tensors = {k: weight_writer.spec(t) for k, t in weights.items()}
-            partitions[group] = {k: sharding.partition(FAMILIES[group], k, t.shape, s.target.mesh)
-                                 for k, t in tensors.items()}
+            partitions[group] = sharding.partitions(FAMILIES[group], tensors, quantized, s.target.mesh)
             file = sha = None
             if src.weights:
                 log.info("writing %s weights", group)
@@ -228,7 +234,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                 sha = sha256_file(tmp / file)
             weight_files[group] = WeightFile(file=file, sha256=sha, tensors=dict(sorted(tensors.items())),
                                              partition={k: sharding.spec_to_json(p)
-                                                        for k, p in sorted(partitions[group].items())})
+                                                        for k, p in sorted(partitions[group].items())},
+                                             quantized=dict(sorted(quantized.items())))
 
         def write_program(name: str, group: str, fn: Any, inputs: dict[str, TensorSpec], outputs: list[str],
                           input_partition: dict[str, PartitionSpec] | None = None,
@@ -257,8 +264,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
         # One component in memory at a time: load, write its weights, trace its programs, drop it.
         with torch.no_grad():
             n2, L = 2 * geo.batch, geo.max_sequence_length
-            module, ex = load_component(src, "text_encoder", attention, platform=s.target.platform)
-            add_weights("text_encoder", ex.weights)
+            module, ex = load_component(src, "text_encoder", attention, platform=s.target.platform,
+                                        quantize=s.quantize)
+            add_weights("text_encoder", ex.weights, ex.quantized)
             encode = text_encoder.build(ex)
             for n in kinds.text_lengths(L):  # the same encoder over the first n positions (kinds.text_lengths)
                 add_program(kinds.text_encoder_program(n, L), "text_encoder", encode,
@@ -274,8 +282,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             if kind.image_encoder:
                 cfg = src.image_encoder_config or {}
                 size, n_images = int(cfg["image_size"]), 2 if kind.last_image else 1
-                module, ex = load_component(src, "image_encoder", attention, platform=s.target.platform)
-                add_weights("image_encoder", ex.weights)
+                module, ex = load_component(src, "image_encoder", attention, platform=s.target.platform,
+                                            quantize=s.quantize)
+                add_weights("image_encoder", ex.weights, ex.quantized)
                 add_program("image_encoder", "image_encoder", image_encoder.build(ex, model_dtype),
                             {"pixels": TensorSpec((n_images, 3, size, size), "float32")}, ["image_embeds"])
                 image_tokens = programs["image_encoder"].outputs["image_embeds"].shape  # (n_images, tokens, dim)
@@ -283,8 +292,9 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             gc.collect()
 
             for e, group in enumerate(kind.expert_groups):
-                module, ex = load_component(src, group, attention, mesh, platform=s.target.platform)
-                add_weights(group, ex.weights)
+                module, ex = load_component(src, group, attention, mesh, platform=s.target.platform,
+                                            quantize=s.quantize)
+                add_weights(group, ex.weights, ex.quantized)
                 if e == 0:
                     add_program(kinds.cross_kv_program(0), group,
                                 cross_kv.build(ex, model_dtype),
@@ -310,7 +320,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             gc.collect()
 
             vae, ex = load_component(src, "vae", attention, platform=s.target.platform)
-            add_weights("vae", ex.weights)
+            add_weights("vae", ex.weights, ex.quantized)
             for size in dict.fromkeys(g.size for g in shapes):  # the VAE's chunks depend on width x height only
                 same = [g for g in shapes if g.size == size]
                 longest = max(same, key=lambda g: g.latent_frames)  # its chunk programs serve every frame count
@@ -341,6 +351,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             kind=kind.name,
             boundary_ratio=src.boundary_ratio,
             image_processor=image_processor,
+            quantize=s.quantize,
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
         replace_dir(tmp, out)

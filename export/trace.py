@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class Extracted:
     fn: Callable[..., Any]
     module: Any = None  # the torch module fn calls (hooks on it act inside fn)
     env: Any = None  # the torchax environment fn runs in (to move tensors between torch and jax)
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # tensor -> mode (export/quantize.py)
 
 
 def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None = None,
@@ -64,16 +66,21 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
                 if re.fullmatch(pattern, name):
                     sub.register_forward_pre_hook(_constrain_first_input(env, mesh, spec))
     jm = tx.interop.JittableModule(module, dedup_parameters=True)
+    # torchax dedups tied parameters but not tied buffers, which quantized layers' tensors are (integer tensors
+    # cannot require grad): a buffer held under several names is one weight, under its first name.
+    first: dict[int, str] = {}
+    alias = {k: first.setdefault(id(v), k) for k, v in jm.buffers.items()}
 
     def fn(weights: dict[str, Any], args: tuple, kwargs: dict[str, Any] | None = None, method: str = "forward") -> Any:
         params = {k: weights[k] for k in jm.params}
-        buffers = {k: weights[k] for k in jm.buffers}
+        buffers = {k: weights[alias[k]] for k in jm.buffers}
         params, buffers, args, kwargs = env.j2t_iso((params, buffers, args, kwargs or {}))
         with env:
             res = jm.functional_call(method, params, buffers, *args, **kwargs)
         return env.t2j_iso(res)
 
-    return Extracted(weights={k: _jax_int(k, v) for k, v in {**jm.buffers, **jm.params}.items()}, fn=fn,
+    tensors = {**{k: v for k, v in jm.buffers.items() if alias[k] == k}, **jm.params}
+    return Extracted(weights={k: _jax_int(k, v) for k, v in tensors.items()}, fn=fn,
                      module=module, env=env)
 
 

@@ -23,7 +23,8 @@ from runtime.manifest import TensorSpec
 from runtime.weights import ALIGN
 
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+           "float8_e4m3fn": "F8_E4M3"}
 
 
 def _raw(t: Any) -> memoryview:
@@ -32,6 +33,8 @@ def _raw(t: Any) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
+    elif t.dtype == torch.float8_e4m3fn:  # numpy has no float8: its bytes as they are
+        t = t.view(torch.uint8)
     return memoryview(t.numpy()).cast("B")
 
 

@@ -273,7 +273,7 @@ class Bundle:
 
         arrays = self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check)
         if self.loras.get(group):
-            arrays = self._timed(f"lora {group}", lora.apply, arrays, self.loras[group])
+            arrays = self._timed(f"lora {group}", lora.apply, arrays, self.loras[group], wf.quantized)
         return arrays
 
     def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:

@@ -11,6 +11,12 @@ clear error before any work), and when a weight group is placed merges
 in one jitted program per tensor whose output keeps W's sharding: B is placed split like W's rows
 and A like W's columns, so each device computes its own shard from its own slices; no weight is
 ever whole on the host.
+
+A quantized weight (export/quantize.py) is merged into its dequantized value, q x scale, and
+quantized again with new per-row scales, in the same program: the bundle's programs take it as
+they always do, and the cost is one more rounding (tests/test_quantize.py measures it against
+merging into the unquantized bundle). Applying the adapter unmerged would instead need programs
+with LoRA inputs, and a rank-r product per layer at every step.
 """
 
 from __future__ import annotations
@@ -145,8 +151,22 @@ def _merge(w: Any, parts: list[tuple[Any, Any]], scales: Any) -> Any:
     return acc.astype(w.dtype)
 
 
-def apply(arrays: dict[str, Any], updates: dict[str, list[Update]]) -> dict[str, Any]:
-    """`arrays` (placed weights of one group) with the updates merged, each tensor keeping its sharding."""
+def _merge_quantized(w: Any, scale: Any, parts: list[tuple[Any, Any]], scales: Any) -> tuple[Any, Any]:
+    """`_merge` into the dequantized weight, quantized again per row (symmetric absmax, as export/quantize.py)."""
+    import jax.numpy as jnp
+
+    qmax = 127.0 if w.dtype == jnp.int8 else float(jnp.finfo(w.dtype).max)
+    acc = _merge(w.astype(jnp.float32) * scale.astype(jnp.float32), parts, scales)
+    amax = jnp.max(jnp.abs(acc), axis=1, keepdims=True)
+    new_scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(scale.dtype)
+    x = jnp.clip(acc / new_scale, -qmax, qmax)
+    return (jnp.round(x) if w.dtype == jnp.int8 else x).astype(w.dtype), new_scale
+
+
+def apply(arrays: dict[str, Any], updates: dict[str, list[Update]], quantized: dict[str, str] | None = None
+          ) -> dict[str, Any]:
+    """`arrays` (placed weights of one group) with the updates merged, each tensor keeping its sharding; a tensor in
+    `quantized` (WeightFile.quantized) is merged with its scale `<name>_scale` and both are replaced."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -167,5 +187,10 @@ def apply(arrays: dict[str, Any], updates: dict[str, list[Update]]) -> dict[str,
                 parts.append((put(u.a, NamedSharding(mesh, PartitionSpec(None, spec[1]))),
                               put(u.b, NamedSharding(mesh, PartitionSpec(spec[0], None)))))
         scales = put(np.asarray([u.scale for u in ups], np.float32), NamedSharding(mesh, PartitionSpec()))
-        out[name] = jax.jit(_merge, out_shardings=w.sharding)(w, parts, scales)
+        if name in (quantized or {}):
+            s = arrays[name + "_scale"]
+            out[name], out[name + "_scale"] = jax.jit(_merge_quantized, out_shardings=(w.sharding, s.sharding))(
+                w, s, parts, scales)
+        else:
+            out[name] = jax.jit(_merge, out_shardings=w.sharding)(w, parts, scales)
     return out

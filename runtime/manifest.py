@@ -42,7 +42,9 @@ from .errors import BundleError
 #   7: several shapes per bundle: `shapes` (a Geometry each, the default first) replaces `geometry`; the programs of
 #      the shapes after the first that depend on the shape are named "<program>@<W>x<H>x<F>" (the DiT's) or
 #      "<program>@<W>x<H>" (the VAE's), see Manifest.program_for.
-SCHEMA_VERSION = 7
+#   8: quantized weights: Manifest.quantize (the --quantize mode or null) and WeightFile.quantized (each quantized
+#      tensor -> its mode; its scale is the tensor "<name>_scale", export/quantize.py).
+SCHEMA_VERSION = 8
 MANIFEST_FILE = "manifest.json"
 
 
@@ -96,8 +98,18 @@ def _from_v6(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _from_v7(d: dict[str, Any]) -> dict[str, Any]:
+    """v7 bundles hold no quantized weights."""
+    d = copy.deepcopy(d)
+    d["quantize"] = None
+    for w in d["weights"].values():
+        w["quantized"] = {}
+    d["schema_version"] = 8
+    return d
+
+
 # version -> function taking that version's JSON to the next version's
-MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6}
+MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6, 7: _from_v7}
 
 
 @dataclass(frozen=True)
@@ -181,12 +193,18 @@ class ProgramSpec:
 class WeightFile:
     """One component's weights. `partition` is each tensor's PartitionSpec over the target mesh, as
     JSON (None, an axis name, or a list of axis names per dimension). `file` and `sha256` are None
-    in a bundle exported with --no-weights until weights are attached."""
+    in a bundle exported with --no-weights until weights are attached. `quantized` names each tensor stored
+    quantized and its mode; its per-row scale is the tensor `<name>_scale` (export/quantize.py)."""
 
     file: str | None
     sha256: str | None
     tensors: dict[str, TensorSpec]
     partition: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def scale_of(self, name: str) -> str | None:
+        """The scale tensor of quantized tensor `name` (None: `name` is not quantized)."""
+        return name + "_scale" if name in self.quantized else None
 
 
 @dataclass(frozen=True)
@@ -278,6 +296,7 @@ class Manifest:
     kind: str = "t2v"  # a row of runtime/kinds.py
     boundary_ratio: float | None = None  # two experts: expert 1 where t >= boundary_ratio x num_train_timesteps
     image_processor: dict[str, Any] | None = None  # the CLIP stage's preprocessing (runtime/images.py)
+    quantize: str | None = None  # the weights' quantization mode (export/quantize.py MODES), None: unquantized
     bundle_id: str = ""
 
     @property

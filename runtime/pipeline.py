@@ -300,7 +300,8 @@ class Pipeline:
     def _denoise(self, embeds: dict[str, np.ndarray], seed: int, steps: int | None, guidance: float | None,
                  flow_shift: float | None, latents: np.ndarray | None, progress: bool,
                  on_step: Callable[[int], None] | None, guidance_2: float | None, magcache: MagCache | None,
-                 calibration: list[float] | None = None, size: Size = None, frames: int | None = None) -> np.ndarray:
+                 calibration: list[float] | None = None, size: Size = None, frames: int | None = None,
+                 stop_after: int | None = None) -> np.ndarray:
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
         if magcache is not None and not isinstance(magcache, MagCache):
             raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
@@ -366,8 +367,25 @@ class Pipeline:
                 norms, expert_before = now, e
             if on_step is not None:
                 on_step(i)
+            if stop_after is not None and i + 1 == stop_after:
+                return fetch(state_dev).astype(np.float32)  # every row of the scheduler's state
         out = fetch(state_dev)[0].astype(np.float32)
         return conditioning.restore_first_frame(self.kind, extras, out)
+
+    def first_velocity(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
+                       guidance: float | None = None, flow_shift: float | None = None,
+                       latents: np.ndarray | None = None, guidance_2: float | None = None, size: Size = None,
+                       frames: int | None = None) -> np.ndarray:
+        """The guided velocity the DiT predicts at the first of `steps` steps (B, z, T, H/s, W/s), from the one step
+        that runs: the scheduler keeps the converted model output m_0 = x_0 - sigma_0 v_0 (runtime/scheduler.py).
+        What tools/quality.py compares between two bundles."""
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
+        g = self.denoise_shape(embeds, latents, size, frames)
+        x0 = np.asarray(self.initial_latents(s.seed, g) if latents is None else latents, np.float32)
+        state = self._denoise(embeds, seed, steps, guidance, flow_shift, x0, False, None, guidance_2, None,
+                              size=size, frames=frames, stop_after=1)
+        sigma0 = float(scheduler.plan(s.steps, s.flow_shift, self.scheduler_config).coeffs[0][0])
+        return (x0 - state[2]) / sigma0
 
     def denoise_shape(self, embeds: dict[str, np.ndarray], latents: np.ndarray | None, size: Size = None,
                       frames: int | None = None) -> mf.Geometry:

@@ -22,14 +22,17 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
     for group, wf in m.weights.items():
         total = per_device = 0
         sharded = 0
+        by_dtype: dict[str, int] = {}
         for name, t in wf.tensors.items():
             nbytes = math.prod(t.shape) * np.dtype(t.dtype).itemsize  # ml_dtypes registers "bfloat16"
             split = math.prod(mesh[a] for a in _axes(wf.partition.get(name, [])))
             total += nbytes
             per_device += nbytes // split
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + nbytes // split
             sharded += split > 1
         weights[group] = {"file": wf.file, "tensors": len(wf.tensors), "sharded_tensors": sharded,
-                          "bytes": total, "bytes_per_device": per_device}
+                          "quantized_tensors": len(wf.quantized), "bytes": total, "bytes_per_device": per_device,
+                          "bytes_per_device_by_dtype": dict(sorted(by_dtype.items(), key=lambda i: -i[1]))}
     stages = {}
     for name, p in m.programs.items():
         stage: dict[str, Any] = {"file": p.file, "bytes": _size(path, p.file), "weights": p.weights,
@@ -55,7 +58,7 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
         "shapes": [{"size": s.size, "width": s.width, "height": s.height, "frames": s.frames,
                     "seconds": round(s.frames / m.defaults.fps, 4), "latents": list(s.latent_shape),
                     "default": i == 0} for i, s in enumerate(m.shapes)],
-        "dtype": m.dtype, "attention": m.attention,
+        "dtype": m.dtype, "quantize": m.quantize, "attention": m.attention,
         "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance,
                      "flow_shift": m.defaults.flow_shift, "fps": m.defaults.fps},
         "scheduler": m.scheduler, "stages": stages, "weights": weights,
@@ -103,15 +106,26 @@ def format_text(s: dict[str, Any]) -> str:
         for kind, key in (("in ", "args"), ("out", "results")):
             for (aval, sharding), n in _runs([(a["aval"], a["sharding"]) for a in st.get(key, [])]):
                 lines.append(f"    {kind}  {aval:<32} {sharding}" + (f"  (x{n})" if n > 1 else ""))
-    lines += ["", f"weights{'' if s['weights_attached'] else ' (not attached: exported with --no-weights)'}",
-              f"  {'group':<14} {'tensors':>8} {'sharded':>8} {'total':>10} {'per device':>11}"]
+    quantized = f", quantized: {s['quantize']} (DiT and encoder linear layers, per-row scales)" if s["quantize"] else ""
+    lines += ["", f"weights{'' if s['weights_attached'] else ' (not attached: exported with --no-weights)'}{quantized}",
+              f"  {'group':<14} {'tensors':>8} {'sharded':>8} {'quantized':>9} {'total':>10} {'per device':>11}  "
+              "per device by dtype"]
+    all_dtypes: dict[str, int] = {}
     for group, w in s["weights"].items():
-        lines.append(f"  {group:<14} {w['tensors']:>8} {w['sharded_tensors']:>8} {_bytes(w['bytes']):>10} "
-                     f"{_bytes(w['bytes_per_device']):>11}")
+        for dtype, n in w["bytes_per_device_by_dtype"].items():
+            all_dtypes[dtype] = all_dtypes.get(dtype, 0) + n
+        lines.append(f"  {group:<14} {w['tensors']:>8} {w['sharded_tensors']:>8} {w['quantized_tensors']:>9} "
+                     f"{_bytes(w['bytes']):>10} {_bytes(w['bytes_per_device']):>11}  "
+                     f"{_by_dtype(w['bytes_per_device_by_dtype'])}")
     total = sum(w["bytes"] for w in s["weights"].values())
     per_device = sum(w["bytes_per_device"] for w in s["weights"].values())
-    lines.append(f"  {'all':<14} {'':>8} {'':>8} {_bytes(total):>10} {_bytes(per_device):>11}")
+    lines.append(f"  {'all':<14} {'':>8} {'':>8} {'':>9} {_bytes(total):>10} {_bytes(per_device):>11}  "
+                 f"{_by_dtype(dict(sorted(all_dtypes.items(), key=lambda i: -i[1])))}")
     return "\n".join(lines)
+
+
+def _by_dtype(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{dtype} {_bytes(n)}" for dtype, n in sizes.items())
 
 
 def _program_shardings(path: Path, m: mf.Manifest, name: str) -> dict[str, Any]:

@@ -46,7 +46,8 @@ ALIGN = 64  # what XLA's CPU client needs to adopt a host buffer without copying
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
-              "I64": np.int64, "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F64": np.float64}
+              "I64": np.int64, "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F64": np.float64,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def safetensors_dtype(st: str) -> np.dtype:

@@ -1,0 +1,304 @@
+"""int8 / fp8 / int8-dynamic weights (export --quantize): what is stored, how close the videos stay to the same bundle
+unquantized (same latents), sharding, LoRA and the speed-ups on them, and lightx2v-layout checkpoints attached as they
+are (tiny fp32 models: a one-expert Wan 2.1 and a two-expert Wan 2.2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import runtime
+from export.prequantized import diffusers_names
+from runtime import manifest as mf
+from runtime.magcache import MagCache
+
+from .conftest import CASES, KIND_CASES, ROOT, run_module, run_modules
+
+MODES = ("int8", "fp8", "int8-dynamic")
+STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8-dynamic": np.dtype(np.int8)}
+# Frames' PSNR against the same bundle unquantized, same latents, 4 steps: the smallest allowed per mode. Measured
+# on these two models and bf16 ones (BENCHMARKS.md, tools/quality.py): int8 weights lose least, fp8's 3 mantissa
+# bits and int8 activations more.
+PSNR_BOUND = {"int8": 40.0, "fp8": 32.0, "int8-dynamic": 32.0}
+LORA_PSNR_BOUND = 38.0  # int8 with an adapter merged and quantized again, against fp32 with the same adapter
+KINDS = {"t2v": ("checkpoints", "tiny", CASES["tiny-64x32-f9"]), "t2v-moe": ("kind", "t2v-moe", KIND_CASES["t2v-moe"])}
+PROMPT = "a lighthouse in a storm"
+STEPS = 4
+
+
+def _case(kind: str) -> tuple[str, int, int]:
+    """(resolution, frames, max sequence length) of a kind's reference bundle in conftest."""
+    spec = KINDS[kind][2]
+    return spec[-3], spec[-2], spec[-1]
+
+
+def _checkpoint(kind: str, checkpoints: dict[str, Path], kind_checkpoints: dict[str, Path]) -> Path:
+    where, key, _ = KINDS[kind]
+    return checkpoints[key] if where == "checkpoints" else kind_checkpoints[key]
+
+
+def _reference(kind: str, fp32_bundles: dict[str, Path], kind_bundles: dict[str, Path]) -> Path:
+    return fp32_bundles["tiny-64x32-f9"] if kind == "t2v" else kind_bundles["t2v-moe"]
+
+
+@pytest.fixture(scope="module")
+def quant_bundles(checkpoints, kind_checkpoints, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """Each kind x mode, exported as conftest exports the unquantized reference of the kind."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {(k, m): root / f"{k}-{m}" for k in KINDS for m in MODES}
+    commands = []
+    for (kind, mode), path in out.items():
+        res, frames, max_len = _case(kind)
+        commands.append(["export", "--model", str(_checkpoint(kind, checkpoints, kind_checkpoints)),
+                         "--resolution", res, "--frames", str(frames), "--dtype", "fp32", "--max-sequence-length",
+                         str(max_len), "--quantize", mode, "--out", str(path), "-q"])
+    run_modules(*commands)
+    return out
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
+
+
+def _frames(pipe: runtime.Pipeline, seed: int = 3, **kw) -> np.ndarray:
+    latents = pipe.initial_latents(seed)
+    return pipe.decode(pipe.denoise(pipe.encode(PROMPT, "blurry"), seed=seed, steps=STEPS, guidance=4.0,
+                                    latents=latents, progress=False, **kw))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_stores_8_bit_weights_and_stays_close(kind, mode, quant_bundles, fp32_bundles, kind_bundles) -> None:
+    """The table's layers are stored in the mode's dtype with a float32 scale per output row, the rest as before;
+    `verify` passes; the frames stay within the mode's PSNR bound of the unquantized bundle's (same latents)."""
+    bundle = quant_bundles[kind, mode]
+    m = mf.read(bundle)
+    assert m.quantize == mode
+    ref = mf.read(_reference(kind, fp32_bundles, kind_bundles))
+    for group, wf in m.weights.items():
+        plain = ref.weights[group].tensors
+        for name, spec in wf.tensors.items():
+            if name.endswith("_scale"):
+                base = name.removesuffix("_scale")
+                assert base in wf.quantized and spec == mf.TensorSpec((plain[base].shape[0], 1), "float32")
+            elif name in wf.quantized:
+                assert wf.quantized[name] == mode and np.dtype(spec.dtype) == STORAGE[mode]
+                assert spec.shape == plain[name].shape
+            else:
+                assert spec == plain[name], name
+        q = set(wf.quantized)
+        if group.startswith("transformer"):
+            block_linear = r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))\.weight"
+            layers = {n for n in plain if re.fullmatch(block_linear, n)}
+            assert q == layers and "proj_out.weight" not in q and "condition_embedder.time_proj.weight" not in q
+        elif group == "text_encoder":
+            assert "shared.weight" in q and any(".DenseReluDense.wo.weight" in n for n in q)
+            assert not any("layer_norm" in n or "relative_attention_bias" in n for n in q)
+        else:
+            assert not q, group
+    proc = run_module("runtime", "verify", str(bundle))
+    assert "ready to run" in proc.stdout
+    got = _frames(runtime.load(bundle))
+    want = _frames(runtime.load(_reference(kind, fp32_bundles, kind_bundles)))
+    assert np.isfinite(got).all()
+    psnr = _psnr(got, want)
+    print(f"{kind} {mode}: {psnr:.1f} dB")
+    assert PSNR_BOUND[mode] <= psnr < math.inf, f"{kind} {mode}: {psnr:.1f} dB"
+
+
+def test_inspect_shows_bytes_per_device_by_dtype(quant_bundles) -> None:
+    proc = run_module("runtime", "inspect", str(quant_bundles["t2v", "fp8"]))
+    assert "quantized: fp8" in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("transformer"))
+    assert "float8_e4m3fn" in line and "float32" in line
+    data = json.loads(run_module("runtime", "inspect", str(quant_bundles["t2v", "fp8"]), "--json").stdout)
+    dit = data["weights"]["transformer"]
+    assert sum(dit["bytes_per_device_by_dtype"].values()) == dit["bytes_per_device"]
+    assert dit["quantized_tensors"] == len(mf.read(quant_bundles["t2v", "fp8"]).weights["transformer"].quantized)
+
+
+_SCRIPT = """
+import json, sys
+import numpy as np
+import runtime
+pipe = runtime.load(sys.argv[1])
+embeds = pipe.encode("a lighthouse in a storm", "blurry")
+lat = pipe.denoise(embeds, seed=2, steps=3, guidance=4.0, progress=False)
+w = pipe.bundle.weights("transformer", "denoise_step")
+print(json.dumps({"lat": lat.tolist(), "spec": str(w["blocks.0.attn1.to_q.weight_scale"].sharding.spec)}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic"])
+def test_sharded_equals_single_device(mode, checkpoints, quant_bundles, tmp_path) -> None:
+    """On 8 fake devices (dp=2, sp=2, tp=2) the scales split with their rows and the latents equal one device's."""
+    res, frames, max_len = _case("t2v")
+    cpu8 = tmp_path / "cpu8"
+    run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", mode, "--target", "cpu-8",
+               "--out", str(cpu8), "-q")
+    out = {}
+    for n, bundle in ((1, quant_bundles["t2v", mode]), (8, cpu8)):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(bundle)], cwd=ROOT, env=env, timeout=300,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "tp" in out[8]["spec"]
+    np.testing.assert_allclose(out[8]["lat"], out[1]["lat"], rtol=0, atol=1e-5)
+
+
+def test_lora_merges_into_quantized_weights(quant_bundles, fp32_bundles, checkpoints, tmp_path) -> None:
+    """An adapter on an int8 bundle is merged into each dequantized weight and quantized again: the frames stay as
+    close to the unquantized bundle with the same adapter as without adapters, and the adapter does change them."""
+    from .test_lora import diffusers_lora
+
+    lora = diffusers_lora(checkpoints["tiny"], tmp_path / "src", seed=7)
+    bundles = {"int8": quant_bundles["t2v", "int8"], "plain": fp32_bundles["tiny-64x32-f9"]}
+    adapters = {k: tmp_path / f"{k}.safetensors" for k in bundles}
+    run_modules(*[["export", "--lora", str(lora), "--bundle", str(b), "--out", str(adapters[k])]
+                  for k, b in bundles.items()])
+    frames = {(k, with_lora): _frames(runtime.load(b, loras=[(adapters[k], 0.8)] if with_lora else None))
+              for k, b in bundles.items() for with_lora in (True, False)}
+    close = _psnr(frames["int8", True], frames["plain", True])
+    assert close >= LORA_PSNR_BOUND
+    assert _psnr(frames["int8", True], frames["int8", False]) < close - 5  # the adapter changes far more than that
+    pipe = runtime.load(bundles["int8"], loras=[(adapters["int8"], 0.8)])
+    w = pipe.bundle.weights("transformer", "denoise_step")
+    assert w["blocks.0.attn1.to_q.weight"].dtype == np.int8
+
+
+def test_magcache_and_cfg_free_steps_on_a_quantized_bundle(quant_bundles, fp32_bundles) -> None:
+    """MagCache's cached steps and guidance-1 (cond-only) steps run on fp8 weights and stay close to fp32's."""
+    cache = MagCache([1.0, 1.0, 1.01, 0.99, 1.02, 0.97, 1.0, 1.0], threshold=0.05, max_skip_steps=2,
+                     retention_ratio=0.2)
+    for kw in ({"magcache": cache}, {}):
+        q, plain = (runtime.load(b) for b in (quant_bundles["t2v", "fp8"], fp32_bundles["tiny-64x32-f9"]))
+        embeds = {p: p.encode(PROMPT) for p in (q, plain)}
+        guidance = 4.0 if kw else 1.0
+        lat = {p: p.denoise(embeds[p], seed=1, steps=6, guidance=guidance, progress=False, **kw) for p in (q, plain)}
+        assert _psnr(q.decode(lat[q]), plain.decode(lat[plain])) >= PSNR_BOUND["fp8"]
+
+
+# -- checkpoints in lightx2v's layout -----------------------------------------------------------------------------
+
+_TO_WAN = [("attn1.", "self_attn."), ("attn2.", "cross_attn."), (".to_out.0.", ".o."), (".to_q.", ".q."),
+           (".to_k.", ".k."), (".to_v.", ".v."), (".add_k_proj.", ".k_img."), (".add_v_proj.", ".v_img."),
+           (".norm_added_k.", ".norm_k_img."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+           ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+           ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+           ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+           ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+           ("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head.head"),
+           ("norm2", "norm_x"), ("norm3", "norm2"), ("norm_x", "norm3")]
+_LIGHTX2V_QUANTIZED = re.compile(r"blocks\.\d+\.(self_attn\.[qkvo]|cross_attn\.([qkvo]|k_img|v_img)|ffn\.[02])\.weight")
+
+
+def _wan_name(name: str) -> str:
+    """A diffusers Wan DiT tensor name in the original Wan layout."""
+    if name == "scale_shift_table":
+        return "head.modulation"
+    for a, b in _TO_WAN:
+        name = name.replace(a, b)
+    return name.replace("scale_shift_table", "modulation")
+
+
+def lightx2v_file(checkpoint: Path, subfolder: str, out: Path, mode: str | None) -> Path:
+    """The checkpoint's DiT in lightx2v's layout: original Wan names; with `mode`, the block linears' weights in int8
+    or float8_e4m3fn with a per-row fp32 `weight_scale` (symmetric absmax), written here independently of export."""
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    sd = load_file(str(checkpoint / subfolder / "diffusion_pytorch_model.safetensors"))
+    renamed = {_wan_name(k): v for k, v in sd.items()}
+    assert {diffusers_names(list(renamed))[k]: k for k in renamed} == {k: _wan_name(k) for k in sd}  # round trip
+    tensors = {}
+    for name, w in renamed.items():
+        if mode and _LIGHTX2V_QUANTIZED.fullmatch(name):
+            w = w.astype(np.float32)
+            qmax = 127.0 if mode != "fp8" else 448.0
+            amax = np.abs(w).max(axis=1, keepdims=True)
+            scale = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
+            x = np.clip(w / scale, -qmax, qmax)
+            if mode == "fp8":
+                q = torch.from_numpy(x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)).view(torch.float8_e4m3fn)
+            else:
+                q = torch.from_numpy(np.round(x).astype(np.int8))
+            tensors[name], tensors[name + "_scale"] = q, torch.from_numpy(scale)
+        else:
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    save_file(tensors, str(out))
+    return out
+
+
+def test_lightx2v_checkpoints_attach_as_export_quantizes(kind_checkpoints, quant_bundles, tmp_path) -> None:
+    """Both experts of a two-expert model from int8 files in lightx2v's layout: the attached bundle's tensors are
+    those `--quantize int8` writes from the bf16 checkpoint, bit for bit."""
+    from safetensors.numpy import load_file
+
+    ckpt = kind_checkpoints["t2v-moe"]
+    res, frames, max_len = _case("t2v-moe")
+    bundle = tmp_path / "bundle"
+    run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", "int8", "--out", str(bundle),
+               "-q")
+    files = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", "int8") for g in ("transformer", "transformer_2")]
+    run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--quantize", "int8",
+               "--dit-weights", str(files[0]), "--dit-weights", str(files[1]), "-q")
+    proc = run_module("runtime", "verify", str(bundle))
+    assert "ready to run" in proc.stdout
+    exported = quant_bundles["t2v-moe", "int8"]
+    for group in ("transformer", "transformer_2", "text_encoder"):
+        got = load_file(str(bundle / "weights" / f"{group}.safetensors"))
+        want = load_file(str(exported / "weights" / f"{group}.safetensors"))
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), k
+
+
+def test_prequantized_file_that_does_not_match_is_one_line(kind_checkpoints, tmp_path) -> None:
+    """A file of another mode, an unquantized one, a missing expert or a mismatched --quantize: exit 2, one line
+    naming the tensor or the flag, and the bundle still has no weights."""
+    ckpt = kind_checkpoints["t2v-moe"]
+    res, frames, max_len = _case("t2v-moe")
+    bundle = tmp_path / "bundle"
+    run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", "int8", "--out", str(bundle),
+               "-q")
+    fp8 = [lightx2v_file(ckpt, g, tmp_path / f"{g}-fp8.safetensors", "fp8") for g in ("transformer", "transformer_2")]
+    plain = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", None) for g in ("transformer", "transformer_2")]
+    layer = r"tensor blocks\.0\.(self|cross)_attn\.[qkvo]\.weight"
+    cases = [
+        ([*fp8], [], layer + " is float8_e4m3fn but this --quantize int8 bundle"),
+        ([*plain], [], layer + " is float32 but this --quantize int8 bundle"),
+        ([fp8[0]], [], r"has 2 DiT expert\(s\) .*give --dit-weights once per expert"),
+        ([], ["--quantize", "fp8"], r"was exported with --quantize int8 .*attach with --quantize int8"),
+    ]
+    for files, extra, message in cases:
+        args = [a for f in files for a in ("--dit-weights", str(f))]
+        proc = run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), *args, *extra, "-q",
+                          check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and re.search(message, lines[0]), lines
+        assert not mf.read(bundle).has_weights
+    assert not list(tmp_path.glob(".bundle.*"))  # no partial copy left behind
+
+
+def test_unknown_mode_is_refused(checkpoints, tmp_path) -> None:
+    proc = run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "32x32", "--frames", "5",
+                      "--quantize", "int4", "--out", str(tmp_path / "b"), check=False)
+    assert proc.returncode == 2 and "--quantize: invalid choice: 'int4'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "b").exists()
