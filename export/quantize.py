@@ -40,7 +40,7 @@ QUANTIZED: dict[str, list[str]] = {
     "transformer_2": _DIT,
     "text_encoder": [r"encoder\.block\.\d+\.layer\.\d+\.(SelfAttention\.[qkvo]|DenseReluDense\.(wi|wi_0|wi_1|wo))",
                      r"shared"],
-    "image_encoder": [r"vision_model\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"],
+    "image_encoder": [r"(vision_model\.)?encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"],
     "vae": [],
 }
 

@@ -302,3 +302,25 @@ def test_unknown_mode_is_refused(checkpoints, tmp_path) -> None:
                       "--quantize", "int4", "--out", str(tmp_path / "b"), check=False)
     assert proc.returncode == 2 and "--quantize: invalid choice: 'int4'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "b").exists()
+
+
+def test_clip_kind_quantizes_the_image_encoder_too(kind_checkpoints, kind_bundles, tmp_path) -> None:
+    """First-last-frame (CLIP image encoder, image cross-attention): the image encoder's and the added K/V projections'
+    weights are int8 too, and the video from two images stays within int8's bound of the fp32 bundle's."""
+    from .conftest import test_image
+
+    _, res, frames, max_len = KIND_CASES["flf2v"]
+    bundle = tmp_path / "flf2v-int8"
+    run_module("export", "--model", str(kind_checkpoints["flf2v"]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", "int8", "--out", str(bundle),
+               "-q")
+    m = mf.read(bundle)
+    assert any(".mlp.fc1.weight" in n for n in m.weights["image_encoder"].quantized)
+    assert any(".attn2.add_k_proj.weight" in n for n in m.weights["transformer"].quantized)
+    images = {"image": test_image(64, 32, seed=1), "last_image": test_image(64, 32, seed=2)}
+    out = []
+    for path in (bundle, kind_bundles["flf2v"]):
+        pipe = runtime.load(path)
+        out.append(pipe.generate(PROMPT, **images, seed=2, steps=STEPS, latents=pipe.initial_latents(2),
+                                 progress=False))
+    assert _psnr(*out) >= PSNR_BOUND["int8"]

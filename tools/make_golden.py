@@ -35,7 +35,9 @@ GENERATION = {"prompt": "a golden retriever surfing a wave at sunset", "negative
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="default: artifacts/golden/schema-<N>")
+    p.add_argument("--quantize", default=None, help="export with --quantize MODE (schema 8's golden is int8)")
     args = p.parse_args()
+    export_args = EXPORT_ARGS + (["--quantize", args.quantize] if args.quantize else [])
 
     import runtime
     from runtime import manifest as mf
@@ -49,7 +51,7 @@ def main() -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(code)}
-    subprocess.run([sys.executable, "-m", "export", *EXPORT_ARGS, "--out", str(tmp / "bundle"), "-q"], cwd=code,
+    subprocess.run([sys.executable, "-m", "export", *export_args, "--out", str(tmp / "bundle"), "-q"], cwd=code,
                    env=env, check=True)
 
     pipe = runtime.load(tmp / "bundle")
