@@ -24,14 +24,14 @@ from runtime.bundle import partition_spec
 
 from .conftest import in_parallel, run_module
 
-CASES = {  # name: (architecture, resolution, target, devices, heads, frames)
+CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --quantize)
     # two shapes (landscape and portrait), one copy of the weights
-    "14b-720p-v6e-8": ("wan2.1-t2v-14b", "1280x720,720x1280", "tpu-v6e-8", 8, 40, 81),
-    "1.3b-480p-v6e-4": ("wan2.1-t2v-1.3b", "480p", "tpu-v6e-4", 4, 12, 81),
-    "t2v-a14b-720p-v6e-8": ("wan2.2-t2v-a14b", "720p,720x1280", "tpu-v6e-8", 8, 40, 81),
-    "ti2v-5b-720p-v6e-8": ("wan2.2-ti2v-5b", "720p", "tpu-v6e-8", 8, 24, 121),
-    "i2v-14b-720p-v6e-16": ("wan2.1-i2v-14b-720p", "720p", "tpu-v6e-16", 16, 40, 81),
-    "i2v-a14b-480p-v6e-8": ("wan2.2-i2v-a14b", "480p", "tpu-v6e-8", 8, 40, 81),
+    "14b-720p-v6e-8": ("wan2.1-t2v-14b", "1280x720,720x1280", "tpu-v6e-8", 8, 40, 81, None),
+    "1.3b-480p-v6e-4": ("wan2.1-t2v-1.3b", "480p", "tpu-v6e-4", 4, 12, 81, None),
+    "t2v-a14b-720p-v6e-8": ("wan2.2-t2v-a14b", "720p,720x1280", "tpu-v6e-8", 8, 40, 81, "int8-dynamic"),
+    "ti2v-5b-720p-v6e-8": ("wan2.2-ti2v-5b", "720p", "tpu-v6e-8", 8, 24, 121, None),
+    "i2v-14b-720p-v6e-16": ("wan2.1-i2v-14b-720p", "720p", "tpu-v6e-16", 16, 40, 81, "int8"),
+    "i2v-a14b-480p-v6e-8": ("wan2.2-i2v-a14b", "480p", "tpu-v6e-8", 8, 40, 81, "fp8"),
 }
 EXPORT_SECONDS = 120  # the issue's bound for one of these exports on this 2-core machine
 
@@ -41,10 +41,11 @@ def tpu_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tpu")
 
     def export(case: str) -> float:
-        arch, res, target, _, _, frames = CASES[case]
+        arch, res, target, _, _, frames, quantize = CASES[case]
         t0 = time.perf_counter()
+        quant = ["--quantize", quantize] if quantize else []
         run_module("export", "--model", arch, "--no-weights", "--resolution", res, "--frames", str(frames),
-                   "--target", target, "--out", str(root / case), "-q")
+                   "--target", target, "--out", str(root / case), "-q", *quant)
         return time.perf_counter() - t0
 
     # two at a time, each still within the bound while sharing the machine
@@ -83,7 +84,7 @@ def _program_specs(bundle: Path, prog: mf.ProgramSpec) -> dict[str, PartitionSpe
 
 @pytest.mark.parametrize("case", CASES)
 def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path], case: str) -> None:
-    arch, _, target, devices, heads, frames = CASES[case]
+    arch, _, target, devices, heads, frames, _ = CASES[case]
     m = mf.read(tpu_bundles[case])
     kind = kinds.get(m.kind)
     assert m.target.name == target and m.target.num_devices == devices and not m.has_weights
@@ -166,8 +167,12 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
                   and not (name.startswith("denoise_step") and CROSS_KV.match(t))
                   and not (name.startswith("cross_kv") and not CROSS_KV.match(t))]
         assert len(unused) <= 4, (name, unused)  # vae_decode_first skips the temporal upsamplers
+        table = sharding.partitions(FAMILIES[prog.weights], wf.tensors, wf.quantized, m.target.mesh)
         for tensor, spec in specs.items():
-            want = sharding.partition(FAMILIES[prog.weights], tensor, wf.tensors[tensor].shape, m.target.mesh)
+            want = table[tensor]
+            if tensor.endswith("_scale"):  # a quantized weight's per-row scale: split like the weight's rows
+                rows = table[tensor.removesuffix("_scale")]
+                assert want == (PartitionSpec(rows[0]) if len(rows) and rows[0] else PartitionSpec()), (name, tensor)
             assert want == partition_spec(wf.partition[tensor]), (name, tensor)
             assert spec in (want, None), (name, tensor)
     dit = _program_specs(bundle, m.programs["denoise_step"])
@@ -228,3 +233,33 @@ def test_runtime_refuses_a_bundle_without_weights(tpu_bundles: dict[str, Path], 
     assert proc.stderr.strip() == (f"error: bundle {bundle} has no weights attached (exported with --no-weights): "
                                    f"run `python -m export --attach-weights {bundle} --weights CHECKPOINT` first")
     assert not (tmp_path / "v.mp4").exists()
+
+
+def _dots(text: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot_general in a StableHLO module's text."""
+    out = []
+    t = r"tensor<(?:\d+x)*([a-z]\w*)>"
+    for m in re.finditer(rf"stablehlo\.dot_general[^\n]*: \({t}, {t}\) -> {t}", text):
+        out.append(m.groups())
+    return out
+
+
+@pytest.mark.parametrize("case, storage", [("t2v-a14b-720p-v6e-8", "i8"), ("i2v-a14b-480p-v6e-8", "f8E4M3FN"),
+                                           ("i2v-14b-720p-v6e-16", "i8")])
+def test_quantized_tpu_programs_take_8_bit_weights(tpu_bundles: dict[str, Path], case: str, storage: str) -> None:
+    """The block programs take the 8-bit weights themselves: int8-dynamic's dots are int8 x int8 -> int32 (no float
+    x int dot, which libtpu cannot run); int8 and fp8 convert the weight next to a bf16 dot."""
+    m = mf.read(tpu_bundles[case])
+    block = m.programs["denoise_step"].blocks.block
+    exp = _program(tpu_bundles[case], block.file)
+    weights = jax.tree.unflatten(exp.in_tree, exp.in_avals)[0][0]
+    assert str(weights["attn1.to_q.weight"].dtype) == {"i8": "int8", "f8E4M3FN": "float8_e4m3fn"}[storage]
+    assert weights["attn1.to_q.weight_scale"].shape == (weights["attn1.to_q.weight"].shape[0], 1)
+    dots = _dots(exp.mlir_module())
+    assert dots
+    if m.quantize == "int8-dynamic":
+        assert ("i8", "i8", "i32") in dots
+        assert not [d for d in dots if ("i8" in d[:2]) != (d[:2] == ("i8", "i8"))]  # never float x int
+    else:
+        assert not [d for d in dots if storage in d] and ("bf16", "bf16", "f32") in dots
+        assert f"tensor<{'x'.join(map(str, weights['attn1.to_q.weight'].shape))}x{storage}>" in exp.mlir_module()
