@@ -50,10 +50,11 @@ RULES: dict[str, list[tuple[str, Any]]] = {
         (_BLOCK + r"attn2\.add_[kv]_proj\.bias", ("tp",)),
         (_BLOCK + r"attn2\.norm_added_k\.weight", ("tp",)),
         (r"condition_embedder\.image_embedder\..*", REPLICATED),  # CLIP features -> model width (small)
-        # The time projection (width -> 6 x width, 315 MB in bf16 at 14B) is column-parallel: used once per step on
-        # one row per video, and whole on every device it would be most of what a quantized DiT keeps in bf16.
-        (r"condition_embedder\.time_proj\.weight", ("tp", None)),
-        (r"condition_embedder\.time_proj\.bias", ("tp",)),
+        # The time projection (width -> 6 x width, 315 MB in bf16 at 14B) and the time and text embedders' MLPs
+        # (108 MB in fp32, 94 MB) are column-parallel: they run once per step (or prompt) on a few rows, and whole on
+        # every device they would be most of what a quantized DiT keeps unquantized.
+        (r"condition_embedder\.(time_proj|(time|text)_embedder\.linear_[12])\.weight", ("tp", None)),
+        (r"condition_embedder\.(time_proj|(time|text)_embedder\.linear_[12])\.bias", ("tp",)),
         (_BLOCK + r"attn[12]\.to_out\.0\.weight", (None, "tp")),  # row-parallel
         (_BLOCK + r"ffn\.net\.0\.proj\.weight", ("tp", None)),
         (_BLOCK + r"ffn\.net\.0\.proj\.bias", ("tp",)),
