@@ -21,7 +21,7 @@ from runtime.errors import UserError
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .build import FAMILIES, load_component, replace_dir, write_tokenizer
-from .prequantized import read_lightx2v
+from .prequantized import check_lightx2v, read_lightx2v
 from .source import Source
 
 log = logging.getLogger("export")
@@ -52,6 +52,8 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
         raise UserError(f"{bundle} has {len(experts)} DiT expert(s) ({', '.join(experts)}): give --dit-weights "
                         f"once per expert, the high-noise one first (got {len(dit_weights)})")
     prequantized = dict(zip(experts, dit_weights))
+    for group, path in prequantized.items():  # from their headers, before anything is loaded or written
+        check_lightx2v(path, manifest.weights[group], group, _computed_names(src, group))
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
     _check_baked(manifest, src)
@@ -97,6 +99,12 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _computed_names(src: Source, group: str) -> set[str]:
+    """The DiT tensors no checkpoint holds (its RoPE tables): buffers of the model built from its config."""
+    module = dataclasses.replace(src, weights=False).load_transformer(group)
+    return {k for k, v in module.named_buffers() if v.device.type != "meta"}
 
 
 def _check_baked(manifest: mf.Manifest, src: Source) -> None:

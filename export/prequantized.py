@@ -42,66 +42,102 @@ def diffusers_names(keys: list[str]) -> dict[str, str]:
     return {old: new for new, old in renamed.items()}
 
 
-def read_lightx2v(path: Path, wf: mf.WeightFile, group: str, computed: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
-    """The tensors of weight group `group` (as the bundle's WeightFile `wf` lists them) from a lightx2v-layout
-    checkpoint, checked against the bundle's names, dtypes and shapes. `computed`: tensors no checkpoint holds (the
-    RoPE tables, computed by the model's constructor), used where the file lacks them."""
-    import torch
+# safetensors dtype names -> torch's, for the checks on the header
+_ST = {"I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F32": "float32", "F16": "float16",
+       "BF16": "bfloat16", "F64": "float64", "I32": "int32", "I64": "int64", "U8": "uint8", "BOOL": "bool"}
+_FLOAT = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_lightx2v(path: Path, wf: mf.WeightFile, group: str, computed: set[str] = frozenset()
+                   ) -> dict[str, tuple[Path, str]]:
+    """Check a lightx2v-layout checkpoint against the bundle's WeightFile `wf` from its headers alone (no tensor is
+    read, so a mismatch is found before anything is written); returns diffusers name -> (file, original name).
+    `computed`: tensors no checkpoint holds (the RoPE tables, which the model's constructor computes)."""
     from safetensors import SafetensorError, safe_open
 
     label = f"--dit-weights {path}"
-    tensors: dict[str, Any] = {}
-    original: dict[str, str] = {}
+    where: dict[str, tuple[Path, str]] = {}
+    header: dict[str, tuple[str, tuple[int, ...]]] = {}
     try:
         for file in files_of(path):
             with safe_open(str(file), framework="pt") as f:
-                keys = list(f.keys())
-                for old, new in diffusers_names(keys).items():
-                    tensors[new] = f.get_tensor(old)
-                    original[new] = old
+                for old, new in diffusers_names(list(f.keys())).items():
+                    sl = f.get_slice(old)
+                    where[new] = (file, old)
+                    header[new] = (_ST.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
     except SafetensorError as e:
         raise UserError(f"cannot read {label}: {e}") from None
-    for name, t in (computed or {}).items():
-        if name in wf.tensors and name not in tensors:
-            tensors[name] = t
-    scales = {scale_name(w): w for w in wf.quantized}
-    for new, old in original.items():
+    for new, (_, old) in where.items():
         if new not in wf.tensors:
             raise UserError(f"{label}: tensor {old} is not part of this bundle's {group} (another model, or a layout "
                             "that quantizes other layers): attach the checkpoint of the model the bundle was built "
                             "for")
-    out: dict[str, Any] = {}
+    scales = {scale_name(w): w for w in wf.quantized}
     for name, spec in wf.tensors.items():
-        shown = next((o for n, o in original.items() if n == name), name)
-        if name not in tensors:
+        shown = where[name][1] if name in where else name
+        if name not in header:
+            if name in computed:
+                continue
             what = "its per-row scale" if name in scales else "it"
             raise UserError(f"{label} lacks tensor {shown} ({what}: the bundle's {group} needs it): a "
                             f"{'--quantize ' + wf.quantized[scales[name]] if name in scales else 'complete'} "
                             "checkpoint in lightx2v's layout is needed")
-        t = tensors[name]
+        dtype, shape = header[name]
         if name in wf.quantized:
-            want = getattr(torch, STORAGE[wf.quantized[name]])
-            if t.dtype != want:
-                raise UserError(f"{label}: tensor {shown} is {_dtype(t)} but this --quantize {wf.quantized[name]} "
-                                f"bundle stores it as {_dtype(want)} with a per-row scale: attach a checkpoint of "
-                                "that mode, or export the bundle with the file's mode")
+            want = STORAGE[wf.quantized[name]]
+            if dtype != want:
+                raise UserError(f"{label}: tensor {shown} is {dtype} but this --quantize {wf.quantized[name]} bundle "
+                                f"stores it as {want} with a per-row scale: attach a checkpoint of that mode, or "
+                                "export the bundle with the file's mode")
+            shape_ok = shape == tuple(spec.shape)
         elif name in scales:
             rows = wf.tensors[scales[name]].shape[0]
-            if tuple(t.shape) not in ((rows,), (rows, 1)) or not t.is_floating_point():
-                raise UserError(f"{label}: scale {shown} is {_dtype(t)}{list(t.shape)}, not one float per output "
-                                f"row ([{rows}, 1])")
-            t = t.reshape(rows, 1).to(torch.float32)
+            if shape not in ((rows,), (rows, 1)) or dtype not in _FLOAT:
+                raise UserError(f"{label}: scale {shown} is {dtype}{list(shape)}, not one float per output row "
+                                f"([{rows}, 1])")
+            shape_ok = True
         else:
-            if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                raise UserError(f"{label}: tensor {shown} is stored as {_dtype(t)}, but this bundle keeps it in "
+            if dtype not in _FLOAT:
+                raise UserError(f"{label}: tensor {shown} is stored as {dtype}, but this bundle keeps it in "
                                 f"{spec.dtype} (its layout quantizes other layers): attach a checkpoint that "
                                 "quantizes only the DiT blocks' linear layers")
-            t = t.to(getattr(torch, spec.dtype))
-        if tuple(t.shape) != tuple(spec.shape):
-            raise UserError(f"{label}: tensor {shown} is {list(t.shape)} but the bundle expects {list(spec.shape)}: "
+            shape_ok = shape == tuple(spec.shape)
+        if not shape_ok:
+            raise UserError(f"{label}: tensor {shown} is {list(shape)} but the bundle expects {list(spec.shape)}: "
                             "attach the checkpoint of the model the bundle was built for")
-        out[name] = t.contiguous()
+    return where
+
+
+def read_lightx2v(path: Path, wf: mf.WeightFile, group: str, computed: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The tensors of weight group `group` (as the bundle's WeightFile `wf` lists them) from a lightx2v-layout
+    checkpoint (checked first, `check_lightx2v`): scales as float32 [out, 1], unquantized tensors cast to the
+    bundle's dtypes, `computed` tensors where the file lacks them."""
+    import torch
+    from safetensors import safe_open
+
+    computed = computed or {}
+    where = check_lightx2v(path, wf, group, set(computed))
+    scales = {scale_name(w) for w in wf.quantized}
+    out: dict[str, Any] = {}
+    handles: dict[Path, Any] = {}
+    try:
+        for name, spec in wf.tensors.items():
+            if name not in where:
+                out[name] = computed[name]
+                continue
+            file, old = where[name]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt").__enter__()
+            t = handles[file].get_tensor(old)
+            if name in scales:
+                t = t.reshape(-1, 1).to(torch.float32)
+            elif name not in wf.quantized:
+                t = t.to(getattr(torch, spec.dtype))
+            out[name] = t.contiguous()
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
     return out
 
 
