@@ -581,6 +581,7 @@ def model_card(state: State) -> dict[str, Any]:
             "bundle_id": pipe.bundle_id, "kind": pipe.kind.name, "title": pipe.kind.title,
             "image": pipe.kind.image, "last_image": pipe.kind.last_image, "experts": pipe.kind.experts,
             "fps": fps, "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance},
+            "dtype": m.dtype, "quantize": m.quantize,
             "shapes": [{"size": g.size, "frames": g.frames, "seconds": f"{g.frames / fps:g}", "default": i == 0}
                        for i, g in enumerate(m.shapes)]}
 
