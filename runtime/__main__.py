@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
                    help="where jobs (SQLite) and videos live; survives restarts (default ./jobs)")
     s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait (in the shared queue); more get 429 "
                                                               "(default 16)")
-    r = s.add_argument_group("replicas (several servers, one queue: see the README's \"Many replicas\")")
+    r = s.add_argument_group("replicas (several servers, one queue: see runtime/serve/README.md, \"Many replicas\")")
     r.add_argument("--queue", metavar="URL", default=None,
                    help="the job database every replica shares: postgresql://USER:PASSWORD@HOST:PORT/DB (needs the "
                         "postgres extra); default: SQLite under --jobs-dir, one server")
