@@ -14,6 +14,7 @@ import gc
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 from runtime import manifest as mf
 from runtime.errors import UserError
@@ -52,8 +53,9 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
         raise UserError(f"{bundle} has {len(experts)} DiT expert(s) ({', '.join(experts)}): give --dit-weights "
                         f"once per expert, the high-noise one first (got {len(dit_weights)})")
     prequantized = dict(zip(experts, dit_weights))
+    computed = {group: _computed(src, group) for group in prequantized}
     for group, path in prequantized.items():  # from their headers, before anything is loaded or written
-        check_lightx2v(path, manifest.weights[group], group, _computed_names(src, group))
+        check_lightx2v(path, manifest.weights[group], group, set(computed[group]))
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
     _check_baked(manifest, src)
@@ -68,10 +70,8 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
                 if group not in FAMILIES:
                     raise UserError(f"{bundle} lists an unknown weight group {group!r}: re-export it")
                 if group in prequantized:
-                    # The RoPE tables are computed, not stored: take them from the model built from its config.
-                    module = dataclasses.replace(src, weights=False).load_transformer(group)
-                    computed = {k: v for k, v in module.named_buffers() if v.device.type != "meta"}
-                    tensors = read_lightx2v(prequantized[group], wf, group, computed)
+                    module = None
+                    tensors = read_lightx2v(prequantized[group], wf, group, computed[group])
                     label = str(prequantized[group])
                 else:
                     module, ex = load_component(src, group, AttentionConfig(), quantize=manifest.quantize)
@@ -101,10 +101,11 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
         raise
 
 
-def _computed_names(src: Source, group: str) -> set[str]:
-    """The DiT tensors no checkpoint holds (its RoPE tables): buffers of the model built from its config."""
+def _computed(src: Source, group: str) -> dict[str, Any]:
+    """The DiT tensors no checkpoint holds (its RoPE tables): the buffers the model's constructor computes, from
+    the model built on `meta` from its config."""
     module = dataclasses.replace(src, weights=False).load_transformer(group)
-    return {k for k, v in module.named_buffers() if v.device.type != "meta"}
+    return {k: v for k, v in module.named_buffers() if v.device.type != "meta"}
 
 
 def _check_baked(manifest: mf.Manifest, src: Source) -> None:

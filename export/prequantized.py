@@ -139,7 +139,3 @@ def read_lightx2v(path: Path, wf: mf.WeightFile, group: str, computed: dict[str,
         for h in handles.values():
             h.__exit__(None, None, None)
     return out
-
-
-def _dtype(t: Any) -> str:
-    return str(getattr(t, "dtype", t)).removeprefix("torch.")

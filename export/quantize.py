@@ -28,10 +28,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from runtime.manifest import SCALE_SUFFIX  # <layer>.weight -> <layer>.weight_scale
+
 MODES = ("int8", "fp8", "int8-dynamic")
 STORAGE = {"int8": "int8", "fp8": "float8_e4m3fn", "int8-dynamic": "int8"}  # the weights' dtype per mode
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}  # the largest magnitude of the storage dtype
-SCALE_SUFFIX = "_scale"  # <layer>.weight -> <layer>.weight_scale
 
 _BLOCK = r"blocks\.\d+\."
 _DIT = [_BLOCK + r"attn[12]\.(to_[qkv]|to_out\.0|add_[kv]_proj)", _BLOCK + r"ffn\.net\.(0\.proj|2)"]

@@ -33,7 +33,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from runtime.errors import UserError
-from runtime.manifest import Target
+from runtime.manifest import SCALE_SUFFIX, Target
 from runtime.targets import AXES, format_mesh
 
 ALL = AXES  # every device, in mesh order
@@ -169,7 +169,7 @@ def partitions(family: str, tensors: dict[str, Any], quantized: dict[str, str], 
                ) -> dict[str, PartitionSpec]:
     """The PartitionSpec of every tensor of a weight group (TensorSpecs by name). A quantized weight is split as
     its rule says; its per-row scale (out, 1) follows the weight's output axis (export/quantize.py)."""
-    scales = {w + "_scale": w for w in quantized}
+    scales = {w + SCALE_SUFFIX: w for w in quantized}
     out = {k: partition(family, k, tuple(t.shape), mesh) for k, t in tensors.items() if k not in scales}
     for scale, weight in scales.items():
         rows = out[weight][0] if len(out[weight]) else None

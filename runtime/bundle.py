@@ -273,7 +273,8 @@ class Bundle:
 
         arrays = self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check)
         if self.loras.get(group):
-            arrays = self._timed(f"lora {group}", lora.apply, arrays, self.loras[group], wf.quantized)
+            arrays = self._timed(f"lora {group}", lora.apply, arrays, self.loras[group],
+                                 {n: wf.scale_of(n) for n in wf.quantized})
         return arrays
 
     def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:

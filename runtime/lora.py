@@ -163,10 +163,11 @@ def _merge_quantized(w: Any, scale: Any, parts: list[tuple[Any, Any]], scales: A
     return (jnp.round(x) if w.dtype == jnp.int8 else x).astype(w.dtype), new_scale
 
 
-def apply(arrays: dict[str, Any], updates: dict[str, list[Update]], quantized: dict[str, str] | None = None
+def apply(arrays: dict[str, Any], updates: dict[str, list[Update]], scale_names: dict[str, str] | None = None
           ) -> dict[str, Any]:
-    """`arrays` (placed weights of one group) with the updates merged, each tensor keeping its sharding; a tensor in
-    `quantized` (WeightFile.quantized) is merged with its scale `<name>_scale` and both are replaced."""
+    """`arrays` (placed weights of one group) with the updates merged, each tensor keeping its sharding; a quantized
+    tensor (a key of `scale_names`: tensor -> its scale, WeightFile.scale_of) is merged with its scale and both are
+    replaced."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -187,9 +188,9 @@ def apply(arrays: dict[str, Any], updates: dict[str, list[Update]], quantized: d
                 parts.append((put(u.a, NamedSharding(mesh, PartitionSpec(None, spec[1]))),
                               put(u.b, NamedSharding(mesh, PartitionSpec(spec[0], None)))))
         scales = put(np.asarray([u.scale for u in ups], np.float32), NamedSharding(mesh, PartitionSpec()))
-        if name in (quantized or {}):
-            s = arrays[name + "_scale"]
-            out[name], out[name + "_scale"] = jax.jit(_merge_quantized, out_shardings=(w.sharding, s.sharding))(
+        if name in (scale_names or {}):
+            s = arrays[scale_names[name]]
+            out[name], out[scale_names[name]] = jax.jit(_merge_quantized, out_shardings=(w.sharding, s.sharding))(
                 w, s, parts, scales)
         else:
             out[name] = jax.jit(_merge, out_shardings=w.sharding)(w, parts, scales)

@@ -46,6 +46,7 @@ from .errors import BundleError
 #      tensor -> its mode; its scale is the tensor "<name>_scale", export/quantize.py).
 SCHEMA_VERSION = 8
 MANIFEST_FILE = "manifest.json"
+SCALE_SUFFIX = "_scale"  # a quantized tensor's per-row scale is the tensor "<name>_scale" (export/quantize.py)
 
 
 def _from_v1(d: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +205,7 @@ class WeightFile:
 
     def scale_of(self, name: str) -> str | None:
         """The scale tensor of quantized tensor `name` (None: `name` is not quantized)."""
-        return name + "_scale" if name in self.quantized else None
+        return name + SCALE_SUFFIX if name in self.quantized else None
 
 
 @dataclass(frozen=True)

@@ -263,17 +263,21 @@ def lightx2v_file(checkpoint: Path, subfolder: str, out: Path, mode: str | None)
     return out
 
 
+def _int8_programs(checkpoint: Path, out: Path) -> Path:
+    """The two-expert case's programs exported with --quantize int8 and --no-weights, for attaching."""
+    res, frames, max_len = _case("t2v-moe")
+    run_module("export", "--model", str(checkpoint), "--no-weights", "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", "int8", "--out", str(out), "-q")
+    return out
+
+
 def test_lightx2v_checkpoints_attach_as_export_quantizes(kind_checkpoints, quant_bundles, tmp_path) -> None:
     """Both experts of a two-expert model from int8 files in lightx2v's layout: the attached bundle's tensors are
     those `--quantize int8` writes from the bf16 checkpoint, bit for bit."""
     from safetensors.numpy import load_file
 
     ckpt = kind_checkpoints["t2v-moe"]
-    res, frames, max_len = _case("t2v-moe")
-    bundle = tmp_path / "bundle"
-    run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", "int8", "--out", str(bundle),
-               "-q")
+    bundle = _int8_programs(ckpt, tmp_path / "bundle")
     files = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", "int8") for g in ("transformer", "transformer_2")]
     run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--quantize", "int8",
                "--dit-weights", str(files[0]), "--dit-weights", str(files[1]), "-q")
@@ -292,11 +296,7 @@ def test_prequantized_file_that_does_not_match_is_one_line(kind_checkpoints, tmp
     """A file of another mode, an unquantized one, a missing expert or a mismatched --quantize: exit 2, one line
     naming the tensor or the flag, and the bundle still has no weights."""
     ckpt = kind_checkpoints["t2v-moe"]
-    res, frames, max_len = _case("t2v-moe")
-    bundle = tmp_path / "bundle"
-    run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", "int8", "--out", str(bundle),
-               "-q")
+    bundle = _int8_programs(ckpt, tmp_path / "bundle")
     fp8 = [lightx2v_file(ckpt, g, tmp_path / f"{g}-fp8.safetensors", "fp8") for g in ("transformer", "transformer_2")]
     plain = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", None) for g in ("transformer", "transformer_2")]
     layer = r"tensor blocks\.0\.(self|cross)_attn\.[qkvo]\.weight"
