@@ -4,7 +4,7 @@ XLA's CPU backend has no bf16 GEMM for a bf16 x bf16 -> bf16 dot: it rewrites it
 fp32 dot with converts around every operand, so a bf16 bundle ran slower than an fp32
 one. Asking for an fp32 result (`preferred_element_type`) keeps the operands in bf16 and
 lets XLA call its bf16-input kernel (2.5x faster on the Wan block's matmuls,
-`tools/bench_bf16_cpu.py`). The product is then rounded to bf16 once, after the bias is
+docs/why.md). The product is then rounded to bf16 once, after the bias is
 added in fp32, which is also what torch's oneDNN linear does. fp32 inputs are untouched;
 TPU and GPU programs keep torchax's lowering (bf16 dots are native there).
 """

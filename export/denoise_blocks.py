@@ -14,7 +14,7 @@ The three run what the one-program step (export/denoise.py) runs, on the same va
 every unrolled block of a one-program step into its own code. On CPU that is 30 copies at the 1.3B widths:
 loading the step's executable from the compilation cache took about 1 s and its first run 1.8-2.2 s longer
 than later runs (XLA's YNNPACK fusions build their executables on first execution, one after another); as
-one block program, 0.05 s and 0.3 s, the steady step unchanged (tools/bench_blocks.py, BENCHMARKS.md). Every
+one block program, 0.05 s and 0.3 s, the steady step unchanged (docs/why.md). Every
 target compiles 1/L of the code (a 14B step on a TPU host: one block instead of 40).
 
 The head and tail trace the whole step with the blocks replaced (export/block_cache.py): the head returns what

@@ -30,7 +30,7 @@ log = logging.getLogger("runtime")
 # convolutions and reductions to YNNPACK fusions by default. For the VAE's 3x3 convolutions those
 # ran 4-6x slower than XLA's own Eigen convolution (which is as fast as torch's oneDNN), and the
 # whole decode 2.9x slower; for the DiT's matmuls YNNPACK is the faster one (a 1.3B step 8.4 s
-# against 12.7 s without it). Measured on the real 1.3B DiT and VAE: `python tools/bench_startup.py`.
+# against 12.7 s without it). Measured on the real 1.3B DiT and VAE (docs/why.md).
 # The DiT's programs are scheduled for memory: XLA's default CPU schedule, which orders for concurrency,
 # keeps the blocks' FFN activations alive together (a 1.3B step at 128x128: 550 MB of temporaries
 # against 45 MB, the same step time within noise), which made the step the run's peak host memory.
@@ -297,7 +297,7 @@ class Bundle:
     def compile(self, name: str, part: str = "") -> Any:
         """Compile a program (or its `part`, see `program`) for this mesh without weights or inputs (fills the
         persistent compilation cache); returns the jax Compiled object (its HLO and cost analysis are what
-        tools/roofline.py reads)."""
+        `tools/bench.py roofline` reads)."""
         return jax.jit(self.program(name, part).call).lower(*self._abstract(name, part)).compile(
             self.compiler_options(name))
 
@@ -342,7 +342,7 @@ class Bundle:
         return per_block, [order.index(n) for n in spec.blocks.shared]
 
     def compile_whole(self, name: str) -> Any:
-        """`compile`, but a block loop's parts as one XLA program (what tools/roofline.py analyses)."""
+        """`compile`, but a block loop's parts as one XLA program (what `tools/bench.py roofline` analyses)."""
         spec = self.manifest.programs[name]
         weights, *_ = self._abstract(name)
         order = signatures.call_order(name, kinds.get(self.manifest.kind), spec).inputs

@@ -1,9 +1,8 @@
-"""Load test for `python -m runtime serve`: N concurrent clients submit M jobs and poll each to its end.
+"""Load against running servers (`python -m runtime serve`, loopback only): N concurrent clients submit M jobs
+and poll each to its end; throughput, latencies, and whether any job was lost or completed twice.
 
-    python tools/load_test.py --base-url http://127.0.0.1:8000 --clients 4 --requests 12 --steps 2
-    python tools/load_test.py --base-url http://127.0.0.1:8000 --api-key KEY --clients 8 --requests 100 \\
-        [--steps S] [--timeout 600] [--json report.json]
-    python tools/load_test.py --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --clients 4 --requests 40 \\
+    python tools/bench.py load --url http://127.0.0.1:8000 --clients 4 --requests 12 --steps 2
+    python tools/bench.py load --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --clients 4 --requests 40 \\
         --steps 20 [--kill-pid PID --kill-after 10]          # replicas on one queue, one killed part way
 
 With several --url (replicas sharing one queue, `runtime serve --queue postgresql://...`), client i starts on
@@ -26,16 +25,11 @@ run stops; accepted jobs not completed or failed by then, or that vanished (404)
 lost. Jobs still queued on the server are left there. Only loopback servers (127.0.0.0/8, ::1,
 localhost) are accepted: any other host is refused before a single request is sent.
 
-Prints POSTs sent / accepted / rejected (429) / unavailable (503), jobs completed / failed / lost,
-wall time, throughput (completed jobs per second of wall time) and two latencies (p50, p95, max):
-  submit -> completed   first POST attempt of the job (so 429/503 waits count) to the poll that saw
-                        it completed; what a client waits
-  accepted -> completed the accepted POST's answer to the first poll that saw it completed (queue
-                        wait + generation, to within one poll interval)
-and the time from the start of the run to the first poll that saw any job completed.
---json OUT also writes the numbers and one record per job. Exit code 0 when no job was lost, 1
-otherwise, 2 for a bad command line, a non-loopback URL, an unreachable server or a refused request.
-Standard library only.
+Latencies (p50, p95, max): submit -> completed, from the job's first POST attempt (so 429/503 waits count)
+to the poll that saw it completed, what a client waits; accepted -> completed, from the accepted POST's
+answer (queue wait + generation, to within one poll interval). --repeats runs the whole load again (one row
+each). Exit code 0 when no job was lost or duplicated, 1 otherwise, 2 for a bad command line, a
+non-loopback URL, an unreachable server or a refused request. Standard library only.
 """
 
 from __future__ import annotations
@@ -47,13 +41,13 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
+
+from .common import Report, Table, Usage, add_common, log
 
 MAX_REQUESTS = 10_000
 MAX_CLIENTS = 64
@@ -84,19 +78,19 @@ def loopback_target(base_url: str) -> Target:
         port = parts.port or 80
         host = (parts.hostname or "").lower()
     except ValueError as e:
-        raise ValueError(f"--base-url {base_url!r} is not a valid URL ({e})") from None
+        raise ValueError(f"--url {base_url!r} is not a valid URL ({e})") from None
     if parts.scheme != "http":
-        raise ValueError(f"--base-url {base_url!r}: only http:// URLs are supported")
+        raise ValueError(f"--url {base_url!r}: only http:// URLs are supported")
     if parts.query or parts.fragment:
-        raise ValueError(f"--base-url {base_url!r} must not have a query or fragment")
+        raise ValueError(f"--url {base_url!r} must not have a query or fragment")
     if host == "localhost":
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as e:
-            raise ValueError(f"--base-url {base_url!r}: cannot resolve localhost ({e})") from None
+            raise ValueError(f"--url {base_url!r}: cannot resolve localhost ({e})") from None
         addresses = [info[4][0] for info in infos]
         if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
-            raise ValueError(f"--base-url {base_url!r}: localhost resolves to {addresses}, not only loopback "
+            raise ValueError(f"--url {base_url!r}: localhost resolves to {addresses}, not only loopback "
                              "addresses; refusing")
         address = addresses[0]
     else:
@@ -105,7 +99,7 @@ def loopback_target(base_url: str) -> Target:
         except ValueError:
             ip = None
         if ip is None or not ip.is_loopback:
-            raise ValueError(f"--base-url {base_url!r}: host {host or '(none)'!r} is not loopback (127.0.0.0/8, "
+            raise ValueError(f"--url {base_url!r}: host {host or '(none)'!r} is not loopback (127.0.0.0/8, "
                              "::1, localhost); this tool only tests a local server")
         address = str(ip)
     prefix = parts.path.rstrip("/")
@@ -428,42 +422,25 @@ def summarize(run: Run, wall: float, interrupted: bool) -> dict[str, Any]:
     }
 
 
-def report(s: dict[str, Any]) -> str:
-    def lat(name: str) -> str:
-        st = s[name]
-        if not st["n"]:
-            return "-"
-        return f"p50 {st['p50']:.2f} s, p95 {st['p95']:.2f} s, max {st['max']:.2f} s (n={st['n']})"
-
-    lines = [
-        f"target            {s['base_url']}  ({s['clients']} clients, {s['requests']} jobs"
-        + (f", {s['steps']} steps" if s["steps"] is not None else "") + ")",
-        f"requests          submitted {s['posts']} POSTs: accepted {s['accepted']}, rejected (429) "
-        f"{s['rejected_429']}, unavailable (503) {s['unavailable_503']}, other errors {s['post_errors']}",
-        f"jobs              completed {s['completed']}, failed {s['failed']}, lost {s['lost']}, duplicated "
-        f"{s['duplicated']} (never accepted {s['not_accepted']}, never sent {s['not_submitted']})",
-        "accepted by       " + ", ".join(f"{k} {v}" for k, v in sorted(s["accepted_by"].items())),
-    ]
-    if s["failed_by_code"]:
-        lines.append("failed by code    " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_code"].items())))
-    lines += [
-        f"polls             {s['polls']} ({s['poll_errors']} errors)",
-        f"wall time         {s['wall_s']:.2f} s",
-        f"throughput        {s['throughput_jobs_per_s']:.3f} completed jobs/s",
-        f"submit->completed {lat('latency_submit_to_completed_s')}",
-        f"accept->completed {lat('latency_accepted_to_completed_s')}  (to the first poll that saw it completed)",
-        "first completed   " + ("-" if s["first_completed_s"] is None else
-                                f"{s['first_completed_s']:.2f} s after the start (first poll that saw one completed)"),
-    ]
-    if s["interrupted"]:
-        lines.append("interrupted       yes (Ctrl-C): unfinished accepted jobs counted as lost")
-    return "\n".join(lines)
+def _latency(st: dict[str, Any]) -> str:
+    return "-" if not st["n"] else f"{st['p50']:.2f} / {st['p95']:.2f} / {st['max']:.2f}"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tools/load_test.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", "--url", dest="urls", action="append", default=None,
+def table(title: str, summaries: list[tuple[str, dict[str, Any]]]) -> Table:
+    """One row per load run (the figures `summarize` returns)."""
+    t = Table(title, ["run", "accepted / 429 / 503", "completed / failed / lost / duplicated", "throughput jobs/s",
+                      "submit→completed p50 / p95 / max s", "accepted→completed p50 / p95 / max s", "accepted by"])
+    for name, s in summaries:
+        t.add(name, f"{s['accepted']} / {s['rejected_429']} / {s['unavailable_503']}",
+              f"{s['completed']} / {s['failed']} / {s['lost']} / {s['duplicated']}",
+              f"{s['throughput_jobs_per_s']:.2f}", _latency(s["latency_submit_to_completed_s"]),
+              _latency(s["latency_accepted_to_completed_s"]),
+              ", ".join(f"{v}" for _, v in sorted(s["accepted_by"].items())) or "-")
+    return t
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", "--base-url", dest="urls", action="append", default=None,
                    help="the server, loopback only (default http://127.0.0.1:8000; a trailing /v1 is fine); "
                         "repeat for replicas of one queue")
     p.add_argument("--kill-pid", type=int, default=None, help="SIGKILL this process (a replica) --kill-after s in")
@@ -479,10 +456,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="retries of one job's POST after 429 / 503 / errors (default 30)")
     p.add_argument("--poll-interval", type=float, default=None,
                    help="seconds between polls of a job (default: the server's openai-poll-after-ms, 0.25 s)")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
-    args = p.parse_args(argv)
+    add_common(p, repeats=1, devices=("cpu",))
+
+
+def check(args: argparse.Namespace) -> list[Target]:
+    """The loopback targets of a valid command line; Usage (exit 2, one line) otherwise."""
     args.urls = args.urls or ["http://127.0.0.1:8000"]
-    args.base_url = args.urls[0]
     problems = []
     if (args.kill_pid is None) != (args.kill_after is None):
         problems.append("--kill-pid and --kill-after go together")
@@ -499,33 +478,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.poll_interval is not None and not (math.isfinite(args.poll_interval) and 0.01 <= args.poll_interval
                                                <= 60):
         problems.append(f"--poll-interval must be in 0.01..60 seconds, got {args.poll_interval}")
+    if not 1 <= args.repeats <= 100:
+        problems.append(f"--repeats must be in 1..100, got {args.repeats}")
     if problems:
-        p.error("; ".join(problems))
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+        raise Usage("; ".join(problems))
     try:
         targets = [loopback_target(url) for url in args.urls]
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    target = targets[0]
-    if args.json is not None and not args.json.parent.is_dir():
-        print(f"error: --json {args.json}: directory {args.json.parent} does not exist", file=sys.stderr)
-        return 2
-    probe = Connection(target, None)
+        raise Usage(str(e)) from None
+    probe = Connection(targets[0], None)
     try:
         status, _, data = probe.request("GET", "/ready", None, 10.0)
     except (OSError, http.client.HTTPException) as e:
-        print(f"error: cannot reach {args.base_url} ({type(e).__name__}: {e})", file=sys.stderr)
-        return 2
+        raise Usage(f"cannot reach {args.urls[0]} ({type(e).__name__}: {e})") from None
     finally:
         probe.close()
     ready = data.get("status") if isinstance(data, dict) else None
-    print(f"server /ready: {status} {ready or ''}".rstrip(), file=sys.stderr)
+    log(f"server /ready: {status} {ready or ''}".rstrip())
+    return targets
 
+
+def load(args: argparse.Namespace, targets: list[Target]) -> dict[str, Any]:
+    """One load run against `targets` (check's result); its summary (`summarize`)."""
     run = Run(args, targets)
     if args.kill_pid is not None:
         import signal
@@ -533,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         def kill() -> None:
             if not run.stop.wait(args.kill_after):
                 os.kill(args.kill_pid, signal.SIGKILL)
-                print(f"[{run.now():6.1f} s] killed process {args.kill_pid}", file=sys.stderr)
+                log(f"{run.now():6.1f} s: killed process {args.kill_pid}")
 
         threading.Thread(target=kill, daemon=True).start()
     threads = [threading.Thread(target=run.client, args=(i,), name=f"client-{i}", daemon=True)
@@ -549,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             threads[0].join(timeout=min(0.2, max(run.remaining(), 0.01)))
             if run.now() >= next_progress:
-                print(run.progress(), file=sys.stderr)
+                log(run.progress())
                 next_progress += PROGRESS_EVERY_S
     except KeyboardInterrupt:
         interrupted = True
@@ -562,15 +536,19 @@ def main(argv: list[str] | None = None) -> int:
         run.recheck()
     with run.lock:
         summary = summarize(run, wall, interrupted)
-    print(report(summary))
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
     if run.fatal:
-        print(f"error: {run.fatal}", file=sys.stderr)
-        return 2
-    return 0 if summary["lost"] == 0 and summary["duplicated"] == 0 else 1
+        raise Usage(run.fatal)
+    return summary
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(a: argparse.Namespace) -> Report:
+    targets = check(a)
+    summaries = []
+    for i in range(a.repeats):
+        summaries.append((f"{i + 1}" if a.repeats > 1 else "1", load(a, targets)))
+    title = (f"{a.clients} clients, {a.requests} jobs" + (f" of {a.steps} steps" if a.steps else "")
+             + f" against {', '.join(a.urls)}")
+    t = table(title, summaries)
+    t.notes.append("Throughput: completed jobs per second of wall time. Accepted by: jobs accepted by each URL.")
+    bad = sum(s["lost"] + s["duplicated"] for _, s in summaries)
+    return Report([t], [s for _, s in summaries], exit_code=1 if bad else 0)

@@ -1,9 +1,9 @@
-"""A roofline model of one denoising step on a TPU slice, from the programs we export.
+"""A roofline model of one denoising step on a TPU slice, from the programs we export: what a step must cost there.
 
-    python tools/roofline.py                  # 14B 720p on tpu-v6e-8 and tpu-v6e-16, 1.3B 480p on tpu-v6e-4
-    python tools/roofline.py --model wan2.1-t2v-14b --resolution 720p --frames 81 --target tpu-v6e-8
+    python tools/bench.py roofline            # 14B 720p on tpu-v6e-8 and tpu-v6e-16, 1.3B 480p on tpu-v6e-4
+    python tools/bench.py roofline --model wan2.1-t2v-14b --resolution 720p --frames 81 --target tpu-v6e-8
 
-No TPU is needed. For each case:
+No TPU is needed, and nothing is timed (--repeats does not apply). For each case:
   FLOPs per step (both CFG halves) counted analytically from the DiT config (matmuls and attention;
     XLA's own count of the compiled per-device program is printed beside it: it counts a while
     loop's body once, so it undercounts the blocked attention);
@@ -21,15 +21,11 @@ the MFU a step time needs (the seeds measured 4.59 s/step for 14B 720p on v6e-8 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from .common import Report, Table, add_common, child_env, export, log, spawn
 
 # Per chip: peak bf16 FLOP/s, HBM bytes/s, bidirectional ICI bytes/s (Google Cloud TPU pages).
 CHIPS = {
@@ -143,12 +139,12 @@ def _loop_trip_counts(hlo: str) -> dict[str, int]:
 
 # -- the compile (a child process with as many fake devices as the target has) ----------------------
 
-def compile_child(bundle: str) -> dict[str, Any]:
+def compile_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     from runtime import manifest as mf
     from runtime.bundle import Bundle, make_mesh
 
-    m = mf.read(Path(bundle))
-    b = Bundle(path=Path(bundle), manifest=m, mesh=make_mesh(m.target))
+    m = mf.read(Path(a["bundle"]))
+    b = Bundle(path=Path(a["bundle"]), manifest=m, mesh=make_mesh(m.target))
     compiled = b.compile_whole("denoise_step")
     hlo = compiled.as_text()
     cost = compiled.cost_analysis()
@@ -169,16 +165,12 @@ def analyse(model: str, resolution: str, frames: int, target_name: str, work: Pa
     n = target.num_devices
     bundle = work / f"{model}-{resolution}-f{frames}-{target_name}"
     if not (bundle / "manifest.json").is_file():  # the same program for the CPU, with the target's mesh
-        subprocess.run([sys.executable, "-m", "export", "--model", model, "--no-weights", "--resolution", resolution,
-                        "--frames", str(frames), "--target", "cpu", "--mesh", format_mesh(target.mesh),
-                        "--out", str(bundle), "--force", "-q"], cwd=ROOT, check=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    proc = subprocess.run([sys.executable, __file__, "--child", str(bundle)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-                                          "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
-    if proc.returncode != 0:
-        raise SystemExit(f"error: compiling {bundle} failed:\n{proc.stderr[-3000:]}")
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+        log(f"exporting {bundle}")
+        export(["--model", model, "--no-weights", "--resolution", resolution, "--frames", str(frames), "--target",
+                "cpu", "--mesh", format_mesh(target.mesh)], bundle)
+    log(f"compiling {bundle} for {n} CPU devices")
+    compiled = spawn("roofline:compile_child", {"bundle": str(bundle)},
+                     env=child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}"))
 
     m = mf.read(bundle)
     g = m.geometry
@@ -210,58 +202,41 @@ def analyse(model: str, resolution: str, frames: int, target_name: str, work: Pa
             "mfu_for": {k: total / (n * chip["flops"] * v) for k, v in SEEDS.items()}}
 
 
-def report(r: dict[str, Any]) -> str:
+def tables(results: list[dict[str, Any]]) -> list[Table]:
     gb = 1e9
-    c = r["collectives"]
-    kinds = ", ".join(f"{k} {c['bytes'][k] / gb:.2f} GB ({c['counts'][k]}x)" for k in COLLECTIVES if c["counts"][k])
-    bound = max((v, k) for k, v in r["bounds_s"].items() if v == v and k != "hbm (XLA bytes)")
-    b = r["bounds_s"]
-    lines = [
-        f"## {r['model']}, {r['resolution']}, {r['frames']} frames, {r['target']} ({r['devices']} x {r['chip']}, "
-        f"mesh {r['mesh']})",
-        f"tokens per sample {r['tokens']}; FLOPs per step (CFG batch of 2): {r['flops_total'] / 1e15:.2f} PFLOP "
-        f"(linear {r['flops']['linear'] / 1e15:.2f}, attention {r['flops']['attention'] / 1e15:.2f}, "
-        f"embed+head {r['flops']['embed+head'] / 1e15:.3f}); XLA's count x devices "
-        f"{r['xla_flops_x_devices'] / 1e15:.2f} PFLOP (loop bodies once)",
-        f"per device: weights {r['weight_bytes_per_device'] / gb:.2f} GB, activations (XLA CPU temporaries) "
-        f"{r['activation_bytes_per_device'] / gb:.2f} GB of {r['hbm_gb']} GB HBM; XLA bytes accessed "
-        f"{r['xla_bytes_per_device'] / gb:.1f} GB",
-        f"collectives per device per step: {c['total'] / gb:.2f} GB as compiled for CPU ({kinds or 'none'}); "
-        f"{r['ici_bytes_bf16'] / gb:.2f} GB with the f32 tensors at bf16 width as on TPU; largest:",
-        *[f"    {e['count']:>4} x {e['what']}: {e['bytes'] / gb:.2f} GB" for e in c.get("largest", [])],
-        f"time bounds per step: compute {b['compute']:.2f} s, HBM weights {b['hbm (weights)']:.3f} s "
-        f"(XLA bytes {b['hbm (XLA bytes)']:.2f} s), ICI {b['ici']:.2f} s -> bound {bound[0]:.2f} s ({bound[1]})",
-    ]
-    if r["model"] == "wan2.1-t2v-14b" and r["resolution"] == "1280x720":  # what the seeds' figures are for
-        lines.append(f"MFU needed for the seeds' {SEEDS['measured']} s/step (measured on v6e-8): "
-                     f"{r['mfu_for']['measured']:.0%}; for {SEEDS['claimed']} s/step (claimed): "
-                     f"{r['mfu_for']['claimed']:.0%}")
-    else:
-        lines.append(f"at 50% MFU: {r['bounds_s']['compute'] * 2:.2f} s/step")
-    return "\n".join(lines)
+    bounds = Table("time bounds of one denoising step (CFG batch of 2), from the programs as exported",
+                   ["model, shape, target", "mesh", "PFLOP / step", "weights / device GB", "activations / device GB",
+                    "ICI GB / device", "compute s", "HBM (weights) s", "ICI s", "bound s", "MFU for 4.59 s",
+                    "MFU for 2.5 s"])
+    colls = Table("collectives per device per step (as compiled for CPU; f32 tensors at bf16 width as on TPU)",
+                  ["model, shape, target", "largest collectives"])
+    for r in results:
+        b = r["bounds_s"]
+        bound = max((v, k) for k, v in b.items() if v == v and k != "hbm (XLA bytes)")
+        case = f"{r['model']}, {r['resolution']} x {r['frames']}, {r['target']} ({r['devices']} x {r['chip']})"
+        seeds = r["model"] == "wan2.1-t2v-14b" and r["resolution"] == "1280x720"  # what the seeds' figures are for
+        bounds.add(case, r["mesh"], f"{r['flops_total'] / 1e15:.2f}", f"{r['weight_bytes_per_device'] / gb:.2f}",
+                   f"{r['activation_bytes_per_device'] / gb:.2f}", f"{r['ici_bytes_bf16'] / gb:.2f}",
+                   f"{b['compute']:.2f}", f"{b['hbm (weights)']:.3f}", f"{b['ici']:.2f}",
+                   f"{bound[0]:.2f} ({bound[1].split(' ')[0]})",
+                   *((f"{r['mfu_for']['measured']:.0%}", f"{r['mfu_for']['claimed']:.0%}") if seeds else ("-", "-")))
+        colls.add(case, "; ".join(f"{e['count']} x {e['what']}: {e['bytes'] / gb:.2f} GB"
+                                  for e in r["collectives"].get("largest", [])[:3]) or "none")
+    bounds.notes.append("Compute at the chip's peak bf16 FLOP/s, HBM for reading the weights once, ICI at half the "
+                        "chip's bidirectional bandwidth (a 1D ring drives 2 of 4 ports). MFU columns: the share of "
+                        "peak the seeds' measured (4.59 s) and claimed (2.5 s) steps for 14B 720p on v6e-8 imply.")
+    return [bounds, colls]
 
 
-def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(compile_child(sys.argv[2])))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p, repeats=1, devices=("cpu",))
     p.add_argument("--model", help="architecture name (default: the three standard cases)")
     p.add_argument("--resolution", default="720p")
     p.add_argument("--frames", type=int, default=81)
     p.add_argument("--target", default="tpu-v6e-8")
-    p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "roofline")
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
-    cases = [(args.model, args.resolution, args.frames, args.target)] if args.model else CASES
-    results = []
-    for case in cases:
-        results.append(analyse(*case, args.work))
-        print(report(results[-1]) + "\n", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(a: argparse.Namespace) -> Report:
+    cases = [(a.model, a.resolution, a.frames, a.target)] if a.model else CASES
+    results = [analyse(*case, a.work / "roofline") for case in cases]
+    return Report(tables(results), results)

@@ -1,0 +1,80 @@
+"""Export time: `python -m export` from process spawn to exit, per target, and per number of shapes.
+
+Targets: the tiny checkpoint (weights written) and the 14B / A14B from their architecture names (--no-weights:
+programs only, as a TPU build machine makes them before the weights are attached), for each target; ratios against
+the same model's cpu export. Shapes: 1, 2 and 4 shapes (the size, its portrait, each at two frame counts); "per
+extra shape" is (T(n) - T(1)) / (n - 1), against T(1), which also pays for loading the model, tracing the shape-free
+stages and writing the weights. Exports run on this machine's CPU whatever the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .common import Report, Table, add_common, export, log, median, num, ratio
+
+# name: (--model, width, height, frames, a shorter frame count, flags)
+MODELS = {
+    "tiny": ("tiny", 256, 144, 17, 9, ["--dtype", "fp32"]),
+    "14B from names": ("wan2.1-t2v-14b", 1280, 720, 81, 49, ["--no-weights"]),
+    "A14B from names": ("wan2.2-t2v-a14b", 1280, 720, 81, 49, ["--no-weights"]),
+}
+TARGETS = ("cpu", "cpu-8", "tpu-v6e-8", "tpu-v6e-16")
+SHAPES = (("tiny", "cpu"), ("14B from names", "tpu-v6e-8"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p, devices=("cpu",))
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    p.add_argument("--no-shapes", action="store_true", help="skip the 1 / 2 / 4 shapes table")
+
+
+def shape_flags(width: int, height: int, frames: int, shorter: int, n: int) -> list[str]:
+    sizes = [f"{width}x{height}", f"{height}x{width}"][: 1 if n == 1 else 2]
+    counts = [frames, shorter][: 2 if n == 4 else 1]
+    return ["--resolution", ",".join(sizes), "--frames", ",".join(map(str, counts))]
+
+
+def timed(model: str, target: str, n: int, work: Path) -> float:
+    m, w, h, f, short, flags = MODELS[model]
+    out = work / "export" / f"{m}-{target}-{n}"
+    return export(["--model", m, *shape_flags(w, h, f, short, n), "--target", target, *flags], out)
+
+
+def run(a: argparse.Namespace) -> Report:
+    cases = [(m, t, 1) for m in a.models for t in a.targets]
+    if not a.no_shapes:
+        cases += [(m, t, n) for m, t in SHAPES if m in a.models for n in (2, 4)]
+        cases += [(m, t, 1) for m, t in SHAPES if m in a.models and (m, t, 1) not in cases]
+    times: dict[tuple[str, str, int], list[float]] = {c: [] for c in cases}
+    for i in range(a.repeats):  # interleaved, so drift hits every case alike
+        for c in cases:
+            times[c].append(timed(*c, a.work))
+        log(f"repeat {i + 1}/{a.repeats} done")
+    med = {c: median(ts) for c, ts in times.items()}
+    targets = Table(f"export time per target, one shape (medians of {a.repeats})",
+                    ["model", "shape", *a.targets])
+    for m in a.models:
+        _, w, h, f, _, _ = MODELS[m]
+        base = med.get((m, "cpu", 1))
+        targets.add(m, f"{w}x{h} x {f}", *(num(med[m, t, 1], 1) + (f" s ({ratio(med[m, t, 1], base)})" if base and
+                                                                      t != "cpu" else " s") for t in a.targets))
+    targets.notes.append("Ratios against the same model's cpu export. The tiny model writes its weights; from names "
+                         "writes programs only.")
+    tables = [targets]
+    if not a.no_shapes:
+        shapes = Table(f"export time by number of shapes (medians of {a.repeats})",
+                       ["model", "target", "shapes", "export s", "per extra shape s", "extra shape / first"])
+        for m, t in SHAPES:
+            if m not in a.models:
+                continue
+            one = med[m, t, 1]
+            for n in (1, 2, 4):
+                per = (med[m, t, n] - one) / (n - 1) if n > 1 else None
+                shapes.add(m, t, n, num(med[m, t, n]), num(per), ratio(per, one) if per is not None else "-")
+        tables.append(shapes)
+    raw: dict[str, Any] = {f"{m}/{t}/{n}": ts for (m, t, n), ts in times.items()}
+    return Report(tables, raw)
