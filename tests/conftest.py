@@ -44,6 +44,27 @@ def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True
     return proc
 
 
+def run_cli(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m <module> ARGS` run in this process, through the module's `main` as `python -m` runs it: its exit
+    code, stdout and stderr as a process's, without a new interpreter's imports. For commands that fail or finish
+    fast (what bad input says and returns); a traceback escapes as the test's own error."""
+    import contextlib
+    import importlib
+    import io
+
+    main = importlib.import_module(f"{module}.__main__").main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    proc = subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"python -m {module} {' '.join(args)} failed ({code}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
 T = TypeVar("T")
 
 
@@ -83,6 +104,16 @@ def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPath
     run_modules(*[["export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
                    "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[case]), "-q"]
                   for case, (variant, res, frames, max_len) in CASES.items()])
+    return out
+
+
+@pytest.fixture(scope="session")
+def bf16_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-64x32-f9 exported in bf16."""
+    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
+    out = tmp_path_factory.mktemp("bf16") / "tiny-64x32-f9"
+    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "bf16", "--max-sequence-length", str(max_len), "--out", str(out), "-q")
     return out
 
 

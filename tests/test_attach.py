@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,40 +10,53 @@ import pytest
 import runtime
 import runtime.manifest as mf
 
-from .conftest import CASES, run_module
-
-
-def _export(out: Path, model: str, dtype: str, *extra: str) -> Path:
-    _, res, frames, max_len = CASES["tiny-64x32-f9"]
-    run_module("export", "--model", model, "--resolution", res, "--frames", str(frames), "--dtype", dtype,
-               "--max-sequence-length", str(max_len), "--out", str(out), "-q", *extra)
-    return out
+from .conftest import CASES, KIND_CASES, run_module, run_modules
 
 
 def _files(bundle: Path) -> dict[str, str]:
     return {ref.file: ref.sha256 for ref in mf.read(bundle).files()}
 
 
+@pytest.fixture(scope="module")
+def bare(checkpoints, kind_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Programs without weights (--no-weights), exported two at a time: the tiny checkpoint in fp32 and bf16 (as
+    tiny-64x32-f9), and the image-to-video kinds (as conftest's kind bundles). Tests attach into copies."""
+    root = tmp_path_factory.mktemp("bare")
+    _, res, frames, max_len = CASES["tiny-64x32-f9"]
+    cases = {dtype: (checkpoints["tiny"], res, frames, max_len, dtype) for dtype in ("fp32", "bf16")}
+    cases.update({kind: (kind_checkpoints[kind], *KIND_CASES[kind][1:], "fp32") for kind in ("i2v", "i2v-moe")})
+    run_modules(*[["export", "--model", str(ckpt), "--resolution", res, "--frames", str(frames), "--dtype", dtype,
+                   "--max-sequence-length", str(max_len), "--no-weights", "--out", str(root / name), "-q"]
+                  for name, (ckpt, res, frames, max_len, dtype) in cases.items()])
+    return {name: root / name for name in cases}
+
+
+def _copy(bundle: Path, to: Path) -> Path:
+    shutil.copytree(bundle, to)
+    return to
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_attached_bundle_equals_a_direct_export(checkpoints, fp32_bundles, tmp_path: Path, dtype: str) -> None:
+def test_attached_bundle_equals_a_direct_export(bare, checkpoints, fp32_bundles, bf16_bundle, tmp_path: Path,
+                                                dtype: str) -> None:
     """Tracing on `meta` tensors gives the same programs, and attaching gives the same weight files
     (bf16 included: tied embeddings and the DiT's fp32-kept modules are reproduced)."""
     ckpt = str(checkpoints["tiny"])
-    bare = _export(tmp_path / "bare", ckpt, dtype, "--no-weights")
-    m = mf.read(bare)
-    assert not m.has_weights and m.tokenizer is None and not list((bare / "weights").glob("*"))
+    bundle = _copy(bare[dtype], tmp_path / "bare")
+    m = mf.read(bundle)
+    assert not m.has_weights and m.tokenizer is None and not list((bundle / "weights").glob("*"))
     assert all(w.file is None for w in m.weights.values())
     with pytest.raises(runtime.errors.BundleError, match="no weights attached"):
-        runtime.load(bare)
-    run_module("export", "--attach-weights", str(bare), "--weights", ckpt, "-q")
-    direct = fp32_bundles["tiny-64x32-f9"] if dtype == "fp32" else _export(tmp_path / "direct", ckpt, dtype)
-    assert _files(bare) == _files(direct)
-    assert mf.read(bare).source["weights"]["kind"] == "directory"
-    runtime.load(bare)  # every file checks out
+        runtime.load(bundle)
+    run_module("export", "--attach-weights", str(bundle), "--weights", ckpt, "-q")
+    direct = fp32_bundles["tiny-64x32-f9"] if dtype == "fp32" else bf16_bundle
+    assert _files(bundle) == _files(direct)
+    assert mf.read(bundle).source["weights"]["kind"] == "directory"
+    runtime.load(bundle)  # every file checks out
 
 
-def test_wrong_weights_are_refused_and_nothing_changes(checkpoints, tmp_path: Path) -> None:
-    bare = _export(tmp_path / "bare", "tiny", "fp32", "--no-weights")
+def test_wrong_weights_are_refused_and_nothing_changes(bare, checkpoints, tmp_path: Path) -> None:
+    bare = _copy(bare["fp32"], tmp_path / "bare")
     before = {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()}
     proc = run_module("export", "--attach-weights", str(bare), "--weights", str(checkpoints["tiny-wide"]),
                       check=False)
@@ -54,10 +68,7 @@ def test_wrong_weights_are_refused_and_nothing_changes(checkpoints, tmp_path: Pa
 
 
 def test_attaching_twice_needs_force(checkpoints, fp32_bundles, tmp_path: Path) -> None:
-    import shutil
-
-    bundle = tmp_path / "b"
-    shutil.copytree(fp32_bundles["tiny-64x32-f9"], bundle)
+    bundle = _copy(fp32_bundles["tiny-64x32-f9"], tmp_path / "b")
     proc = run_module("export", "--attach-weights", str(bundle), "--weights", str(checkpoints["tiny"]), check=False)
     assert proc.returncode == 2 and "already has weights: pass --force" in proc.stderr
     proc = run_module("export", "--attach-weights", str(bundle), check=False)
@@ -65,14 +76,10 @@ def test_attaching_twice_needs_force(checkpoints, fp32_bundles, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("kind", ["i2v", "i2v-moe"])
-def test_attach_for_image_and_two_expert_models(kind: str, kind_checkpoints, kind_bundles, tmp_path: Path) -> None:
+def test_attach_for_image_and_two_expert_models(kind: str, bare, kind_checkpoints, kind_bundles,
+                                                 tmp_path: Path) -> None:
     """The CLIP image encoder, the second expert and the VAE encoder are attached like the rest."""
-    from .conftest import KIND_CASES
-
-    _, res, frames, max_len = KIND_CASES[kind]
-    bare = tmp_path / "bare"
-    run_module("export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--no-weights", "--out", str(bare), "-q")
+    bare = _copy(bare[kind], tmp_path / "bare")
     before = {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()}
     other = "t2v-moe" if kind == "i2v-moe" else "flf2v"  # the same family, another kind
     proc = run_module("export", "--attach-weights", str(bare), "--weights", str(kind_checkpoints[other]), check=False)

@@ -22,7 +22,7 @@ import pytest
 import runtime
 from runtime.errors import BundleError
 
-from .conftest import CASES, ROOT, run_module
+from .conftest import CASES, ROOT, run_cli, run_module
 from .test_bundle_checks import _rewrite_manifest
 
 
@@ -79,7 +79,7 @@ def _edit_weights(bundle: Path, change) -> None:
 ])
 def test_bad_generation_settings(fp32_bundles, tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "v.mp4"
-    proc = run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", "x", *args,
+    proc = run_cli("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", "x", *args,
                       "--out", str(out), check=False)
     _fails_cleanly(proc, message)
     assert list(tmp_path.iterdir()) == []
@@ -92,7 +92,7 @@ def test_bad_generation_settings(fp32_bundles, tmp_path: Path, args: list[str], 
 ])
 def test_unwritable_output(fp32_bundles, tmp_path: Path, out: str, message: str) -> None:
     (tmp_path / "file.txt").write_text("x")
-    proc = run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", "x", "--steps", "1",
+    proc = run_cli("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", "x", "--steps", "1",
                       "--out", str(tmp_path / out), check=False)
     _fails_cleanly(proc, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
@@ -105,13 +105,13 @@ def test_intermediate_with_wrong_shapes(fp32_bundles, tmp_path: Path) -> None:
     bundle_id = runtime.load(bundle).bundle_id
     bad = tmp_path / "latents.safetensors"
     im.save(bad, im.LATENTS, {"latents": np.zeros((1, 16, 2, 4, 8), np.float32)}, bundle_id, {})
-    proc = run_module("runtime", "decode", str(bundle), "--latents", str(bad), "--out", str(tmp_path / "v.mp4"),
+    proc = run_cli("runtime", "decode", str(bundle), "--latents", str(bad), "--out", str(tmp_path / "v.mp4"),
                       check=False)
     _fails_cleanly(proc, "latents is float32[1, 16, 2, 4, 8], this bundle needs float32[1, 16, 3, 4, 8]")
     assert not (tmp_path / "v.mp4").exists()
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
-    proc = run_module("runtime", "denoise", str(bundle), "--embeds", str(junk), "--out", str(tmp_path / "l"),
+    proc = run_cli("runtime", "denoise", str(bundle), "--embeds", str(junk), "--out", str(tmp_path / "l"),
                       check=False)
     _fails_cleanly(proc, "is not a readable safetensors file")
 
@@ -123,7 +123,7 @@ def test_non_finite_latents_name_the_step(bundle_copy: Path, tmp_path: Path) -> 
 
     _edit_weights(bundle_copy, poison)
     out = tmp_path / "v.mp4"
-    proc = run_module("runtime", "generate", str(bundle_copy), "--prompt", "x", "--steps", "3", "--out", str(out),
+    proc = run_cli("runtime", "generate", str(bundle_copy), "--prompt", "x", "--steps", "3", "--out", str(out),
                       check=False)
     _fails_cleanly(proc, "non-finite values (NaN/inf) appeared in the latents at denoising step 1 of 3")
     assert list(tmp_path.iterdir()) == [bundle_copy]  # no video, no partial file
@@ -140,7 +140,7 @@ def test_long_prompt_is_truncated_with_a_warning(fp32_bundles, tmp_path: Path) -
 
 def test_malformed_manifest(bundle_copy: Path, tmp_path: Path) -> None:
     (bundle_copy / "manifest.json").write_text('{"schema_version": 2, "programs": ')
-    proc = run_module("runtime", "generate", str(bundle_copy), "--prompt", "x", "--out", str(tmp_path / "v.mp4"),
+    proc = run_cli("runtime", "generate", str(bundle_copy), "--prompt", "x", "--out", str(tmp_path / "v.mp4"),
                       check=False)
     _fails_cleanly(proc, "manifest.json is not valid JSON")
     (bundle_copy / "manifest.json").write_text(json.dumps({"schema_version": 2, "bundle_id": "x"}))
@@ -160,7 +160,7 @@ def test_malformed_manifest_fields(bundle_copy: Path) -> None:
 def test_tampered_stage_is_refused(bundle_copy: Path, tmp_path: Path) -> None:
     stage = bundle_copy / "stages" / "denoise_step.jaxexport"
     stage.write_bytes(stage.read_bytes()[:100])
-    proc = run_module("runtime", "verify", str(bundle_copy), check=False)
+    proc = run_cli("runtime", "verify", str(bundle_copy), check=False)
     assert proc.returncode == 2 and "FAIL  bundle file stages/denoise_step.jaxexport does not match its sha256" \
         in proc.stdout
     with pytest.raises(BundleError, match="stages/denoise_step.jaxexport does not match its sha256"):
@@ -183,10 +183,10 @@ def test_missing_or_misshapen_tensor(bundle_copy: Path, tmp_path: Path, change: 
             t["proj_out.weight"] = w.astype(np.float16)
 
     _edit_weights(bundle_copy, edit)
-    verify = run_module("runtime", "verify", str(bundle_copy), check=False)
+    verify = run_cli("runtime", "verify", str(bundle_copy), check=False)
     assert verify.returncode == 2 and message in verify.stdout, verify.stdout
     out = tmp_path / "v.mp4"
-    proc = run_module("runtime", "generate", str(bundle_copy), "--prompt", "x", "--steps", "1", "--out", str(out),
+    proc = run_cli("runtime", "generate", str(bundle_copy), "--prompt", "x", "--steps", "1", "--out", str(out),
                       check=False)
     _fails_cleanly(proc, message)
     assert not out.exists()
@@ -201,12 +201,12 @@ def test_bundle_for_another_platform(bundle_copy: Path) -> None:
 
 def test_bundle_from_a_newer_jax_is_refused_an_older_one_warned(bundle_copy: Path) -> None:
     _rewrite_manifest(bundle_copy, lambda d: d["versions"].update(jax="0.99.0", jaxlib="0.99.0"))
-    proc = run_module("runtime", "verify", str(bundle_copy), check=False)
+    proc = run_cli("runtime", "verify", str(bundle_copy), check=False)
     assert proc.returncode == 2 and "FAIL  bundle was exported with jax 0.99.0, newer than the installed" in proc.stdout
     with pytest.raises(BundleError, match="install jax==0.99.0"):
         runtime.load(bundle_copy)
     _rewrite_manifest(bundle_copy, lambda d: d["versions"].update(jax="0.10.0", jaxlib="0.10.0"))
-    proc = run_module("runtime", "verify", str(bundle_copy))
+    proc = run_cli("runtime", "verify", str(bundle_copy))
     assert "warn  bundle was exported with jax 0.10.0" in proc.stdout and "ready to run" in proc.stdout
 
 
@@ -247,7 +247,7 @@ def test_interrupted_export_leaves_no_bundle(checkpoints, tmp_path: Path) -> Non
 
 
 def test_mesh_that_does_not_divide_the_model(tmp_path: Path) -> None:
-    proc = run_module("export", "--model", "wan2.1-t2v-1.3b", "--no-weights", "--resolution", "480p",
+    proc = run_cli("export", "--model", "wan2.1-t2v-1.3b", "--no-weights", "--resolution", "480p",
                       "--target", "tpu-v6e-16", "--out", str(tmp_path / "b"), check=False)
     _fails_cleanly(proc, "12 attention heads do not divide over tp=8 (try --mesh")
     assert list(tmp_path.iterdir()) == []

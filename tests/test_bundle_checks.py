@@ -11,7 +11,7 @@ import pytest
 import runtime
 from runtime.errors import BundleError
 
-from .conftest import run_module
+from .conftest import run_cli
 
 
 @pytest.fixture()
@@ -65,7 +65,7 @@ def test_unknown_schema_and_missing_manifest(bundle_copy: Path, tmp_path: Path) 
 def test_cli_reports_bundle_errors_in_one_line(bundle_copy: Path, tmp_path: Path) -> None:
     (bundle_copy / "stages" / "denoise_step.jaxexport").write_bytes(b"garbage")
     out = tmp_path / "v.mp4"
-    proc = run_module("runtime", "generate", str(bundle_copy), "--prompt", "x", "--out", str(out), check=False)
+    proc = run_cli("runtime", "generate", str(bundle_copy), "--prompt", "x", "--out", str(out), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
@@ -79,7 +79,7 @@ def test_cli_reports_bundle_errors_in_one_line(bundle_copy: Path, tmp_path: Path
 ])
 def test_export_argument_errors(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "b"
-    proc = run_module("export", *args, "--out", str(out), check=False)
+    proc = run_cli("export", *args, "--out", str(out), check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists() and not list(tmp_path.iterdir())
@@ -87,5 +87,5 @@ def test_export_argument_errors(args: list[str], message: str, tmp_path: Path) -
 
 def test_export_refuses_existing_output(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
-    proc = run_module("export", "--resolution", "32x32", "--frames", "1", "--out", str(tmp_path / "b"), check=False)
+    proc = run_cli("export", "--resolution", "32x32", "--frames", "1", "--out", str(tmp_path / "b"), check=False)
     assert proc.returncode == 2 and "already exists" in proc.stderr

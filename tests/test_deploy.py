@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .conftest import run_module
+from .conftest import run_cli, run_module
 
 GEN = ("--prompt", "a lighthouse in a storm", "--steps", "3", "-q")
 
 
 def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
-    proc = run_module("runtime", "verify", str(fp32_bundles["tiny-64x32-f9"]))
+    proc = run_cli("runtime", "verify", str(fp32_bundles["tiny-64x32-f9"]))
     lines = proc.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 7, proc.stdout
     for what in ("manifest:", "shapes: 1 (64x32 x 9 frames (default)), each with its programs",
@@ -25,7 +25,7 @@ def test_verify_passes_a_fresh_bundle(fp32_bundles) -> None:
 
 def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
     bundle = fp32_bundles["tiny-64x32-f9"]
-    s = json.loads(run_module("runtime", "inspect", str(bundle), "--json").stdout)
+    s = json.loads(run_cli("runtime", "inspect", str(bundle), "--json").stdout)
     assert set(s["stages"]) == {"text_encoder", "text_encoder_3", "text_encoder_6", "text_encoder_12", "cross_kv",
                                 "cross_kv_t3", "cross_kv_t6", "cross_kv_t12", "denoise_step", "denoise_step_cond",
                                 "denoise_step_residual", "denoise_step_cached", "vae_decode_first", "vae_decode_next"}
@@ -42,7 +42,7 @@ def test_inspect_summarizes_stages_and_weights(fp32_bundles) -> None:
         total = sum(f.get_tensor(k).nbytes for k in f.keys())
     assert s["weights"]["transformer"]["bytes"] == total == s["weights"]["transformer"]["bytes_per_device"]
     assert s["geometry"]["latents"] == [1, 16, 3, 4, 8] and s["defaults"]["steps"] == 50
-    text = run_module("runtime", "inspect", str(bundle)).stdout
+    text = run_cli("runtime", "inspect", str(bundle)).stdout
     assert "denoise_step" in text and "per device" in text and "jax 0.10.2" in text
 
 

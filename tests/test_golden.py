@@ -17,7 +17,7 @@ import pytest
 import runtime
 from runtime import manifest as mf
 
-from .conftest import ROOT, run_module
+from .conftest import ROOT, run_cli
 
 GOLDEN = ROOT / "artifacts" / "golden"
 DIRS = sorted(GOLDEN.glob("schema-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -52,7 +52,7 @@ def test_golden_bundle_reproduces_its_output(golden: Path) -> None:
 
 
 def test_verify_reads_old_schemas_through_migration() -> None:
-    proc = run_module("runtime", "verify", str(DIRS[0] / "bundle"))
+    proc = run_cli("runtime", "verify", str(DIRS[0] / "bundle"))
     assert f"schema {DIRS[0].name.split('-')[1]} " in proc.stdout and "ready to run" in proc.stdout
     if len(DIRS) > 1:
         assert "read through the migration" in proc.stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import KIND_CASES, ROOT, run_module, run_modules, test_image
+from .conftest import KIND_CASES, ROOT, run_cli, run_module, run_modules, test_image
 from .test_bad_input import _fails_cleanly
 from .test_torch_free import BLOCKER, _has_pyav, _read_ffmpeg
 
@@ -112,7 +112,7 @@ def test_bad_input_is_one_line_and_writes_nothing(kind: str, args: tuple, messag
     if "--out-name" in args:
         name = args.pop(args.index("--out-name") + 1)
         args.remove("--out-name")
-    proc = run_module("runtime", "generate", str(kind_bundles[kind]), *GEN, *args, "--out", str(tmp_path / name),
+    proc = run_cli("runtime", "generate", str(kind_bundles[kind]), *GEN, *args, "--out", str(tmp_path / name),
                       check=False)
     _fails_cleanly(proc, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -120,10 +120,10 @@ def test_bad_input_is_one_line_and_writes_nothing(kind: str, args: tuple, messag
 
 def test_guidance_2_for_a_wan21_bundle_and_an_image_for_text_only(fp32_bundles, images, tmp_path: Path) -> None:
     bundle = str(fp32_bundles["tiny-64x32-f9"])
-    proc = run_module("runtime", "generate", bundle, *GEN, "--guidance-2", "3", "--out", str(tmp_path / "v.mp4"),
+    proc = run_cli("runtime", "generate", bundle, *GEN, "--guidance-2", "3", "--out", str(tmp_path / "v.mp4"),
                       check=False)
     _fails_cleanly(proc, "is for two-expert models")
-    proc = run_module("runtime", "encode", bundle, "--prompt", "x", "--image", str(images["first"]),
+    proc = run_cli("runtime", "encode", bundle, "--prompt", "x", "--image", str(images["first"]),
                       "--out", str(tmp_path / "e.safetensors"), check=False)
     _fails_cleanly(proc, "it takes no image")
     assert list(tmp_path.iterdir()) == []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .conftest import ROOT, in_parallel, run_module
+from .conftest import ROOT, in_parallel, run_cli, run_module
 
 FP32_TOL = 1e-5  # max abs difference in frames (values in [0, 1]) between device layouts
 GEN = ("--prompt", "a robot dancing in the rain", "--steps", "4", "--seed", "7", "-q")
@@ -121,7 +121,7 @@ print(json.dumps(out))
 def test_inspect_weight_bytes_per_device_match_the_placed_shards(cpu8_bundle: Path) -> None:
     import json
 
-    summary = json.loads(run_module("runtime", "inspect", str(cpu8_bundle), "--json").stdout)
+    summary = json.loads(run_cli("runtime", "inspect", str(cpu8_bundle), "--json").stdout)
     proc = subprocess.run([sys.executable, "-c", DEVICE0_BYTES, str(cpu8_bundle)], cwd=ROOT, capture_output=True,
                           text=True, env={**__import__("os").environ, **_devices(8), "PYTHONPATH": str(ROOT),
                                           "JAX_PLATFORMS": "cpu"}, timeout=300)

@@ -50,19 +50,14 @@ def test_matches_diffusers(case: str, fp32_bundles, checkpoints) -> None:
     assert frames_out.std() > 1e-3
 
 
-def test_bf16_bundle_tracks_diffusers_bf16(checkpoints, tmp_path) -> None:
+def test_bf16_bundle_tracks_diffusers_bf16(checkpoints, bf16_bundle) -> None:
     """bf16 rounds differently in XLA and torch, so only mean errors are bounded here: embeddings
     within ~1/4 bf16 ulp on average, latents and frames within a few tenths of a percent. A wrong
     program (e.g. a dropped kept-in-fp32 module or a bad cast) is off by 10x more."""
     import torch
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    from .conftest import run_module
-
-    out = tmp_path / "bf16"
-    run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "64x32", "--frames", "9",
-               "--dtype", "bf16", "--max-sequence-length", "24", "--out", str(out), "-q")
-    pipe = runtime.load(out)
+    pipe = runtime.load(bf16_bundle)  # tiny at 64x32, 9 frames, 24 tokens
     assert pipe.manifest.weights["transformer"].tensors["blocks.0.attn1.to_q.weight"].dtype == "bfloat16"
     assert pipe.manifest.weights["transformer"].tensors["scale_shift_table"].dtype == "float32"
     # On CPU targets the DiT's bf16 matmuls accumulate in fp32 (export/cpu_dots.py): no bf16-result dot.

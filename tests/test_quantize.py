@@ -21,7 +21,7 @@ from export.prequantized import diffusers_names
 from runtime import manifest as mf
 from runtime.magcache import MagCache
 
-from .conftest import CASES, KIND_CASES, ROOT, run_module, run_modules
+from .conftest import CASES, KIND_CASES, ROOT, in_parallel, run_cli, run_module, run_modules
 
 MODES = ("int8", "fp8", "int8-dynamic")
 STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8-dynamic": np.dtype(np.int8)}
@@ -106,7 +106,7 @@ def test_mode_stores_8_bit_weights_and_stays_close(kind, mode, quant_bundles, fp
             assert not any("layer_norm" in n or "relative_attention_bias" in n for n in q)
         else:
             assert not q, group
-    proc = run_module("runtime", "verify", str(bundle))
+    proc = run_cli("runtime", "verify", str(bundle))
     assert "ready to run" in proc.stdout
     got = _frames(runtime.load(bundle))
     want = _frames(runtime.load(_reference(kind, fp32_bundles, kind_bundles)))
@@ -117,11 +117,11 @@ def test_mode_stores_8_bit_weights_and_stays_close(kind, mode, quant_bundles, fp
 
 
 def test_inspect_shows_bytes_per_device_by_dtype(quant_bundles) -> None:
-    proc = run_module("runtime", "inspect", str(quant_bundles["t2v", "fp8"]))
+    proc = run_cli("runtime", "inspect", str(quant_bundles["t2v", "fp8"]))
     assert "quantized: fp8" in proc.stdout
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("transformer"))
     assert "float8_e4m3fn" in line and "float32" in line
-    data = json.loads(run_module("runtime", "inspect", str(quant_bundles["t2v", "fp8"]), "--json").stdout)
+    data = json.loads(run_cli("runtime", "inspect", str(quant_bundles["t2v", "fp8"]), "--json").stdout)
     dit = data["weights"]["transformer"]
     assert sum(dit["bytes_per_device_by_dtype"].values()) == dit["bytes_per_device"]
     assert dit["quantized_tensors"] == len(mf.read(quant_bundles["t2v", "fp8"]).weights["transformer"].quantized)
@@ -142,31 +142,36 @@ print(json.dumps({"lat": lat.tolist(), "spec": str(w["blocks.0.attn1.to_q.weight
 @pytest.mark.parametrize("mode", ["int8-dynamic"])  # the mode with reductions of its own (per-token scales)
 def test_sharded_equals_single_device(mode, checkpoints, quant_bundles, tmp_path) -> None:
     """On 8 fake devices (dp=2, sp=2, tp=2) the scales split with their rows and the latents equal one device's."""
+    from safetensors.numpy import load_file
+
+    from .test_multidevice import GEN, _devices, _free_port
+
     res, frames, max_len = _case("t2v")
     cpu8 = tmp_path / "cpu8"
-    run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", mode, "--target", "cpu-8",
-               "--out", str(cpu8), "-q")
-    out = {}
-    for n, bundle in ((1, quant_bundles["t2v", mode]), (8, cpu8)):
+    port, frames_out = _free_port(), {n: tmp_path / f"frames{n}.safetensors" for n in (1, 2)}
+
+    def latents(n: int, bundle: Path) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
         proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(bundle)], cwd=ROOT, env=env, timeout=300,
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        out[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def one_device() -> dict:  # beside the cpu-8 export: the single-device latents and frames
+        run_module("runtime", "generate", str(quant_bundles["t2v", mode]), *GEN, "--out", str(tmp_path / "one.mp4"),
+                   "--frames-out", str(frames_out[1]))
+        return latents(1, quant_bundles["t2v", mode])
+
+    _, one = in_parallel(
+        lambda: run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", res, "--frames",
+                           str(frames), "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", mode,
+                           "--target", "cpu-8", "--out", str(cpu8), "-q"),
+        one_device)
+    out = {1: one, 8: latents(8, cpu8)}
     assert "tp" in out[8]["spec"]
     np.testing.assert_allclose(out[8]["lat"], out[1]["lat"], rtol=0, atol=1e-5)
-    if mode != "int8-dynamic":
-        return
     # and on 2 processes x 4 devices (jax.distributed over loopback): each host places its own shards
-    from safetensors.numpy import load_file
-
-    from .test_multidevice import GEN, _devices, _free_port
-
-    port, frames_out = _free_port(), {n: tmp_path / f"frames{n}.safetensors" for n in (1, 2)}
-    run_module("runtime", "generate", str(quant_bundles["t2v", mode]), *GEN, "--out", str(tmp_path / "one.mp4"),
-               "--frames-out", str(frames_out[1]))
     env = {**os.environ, **_devices(4), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(cpu8), *GEN, "--out",
                                str(tmp_path / "two.mp4"), "--frames-out", str(frames_out[2]), "--coordinator",
@@ -281,7 +286,7 @@ def test_lightx2v_checkpoints_attach_as_export_quantizes(kind_checkpoints, quant
     files = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", "int8") for g in ("transformer", "transformer_2")]
     run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--quantize", "int8",
                "--dit-weights", str(files[0]), "--dit-weights", str(files[1]), "-q")
-    proc = run_module("runtime", "verify", str(bundle))
+    proc = run_cli("runtime", "verify", str(bundle))
     assert "ready to run" in proc.stdout
     exported = quant_bundles["t2v-moe", "int8"]
     for group in ("transformer", "transformer_2", "text_encoder"):
@@ -321,7 +326,7 @@ def test_prequantized_file_that_does_not_match_is_one_line(kind_checkpoints, tmp
 
 
 def test_unknown_mode_is_refused(checkpoints, tmp_path) -> None:
-    proc = run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "32x32", "--frames", "5",
+    proc = run_cli("export", "--model", str(checkpoints["tiny"]), "--resolution", "32x32", "--frames", "5",
                       "--quantize", "int4", "--out", str(tmp_path / "b"), check=False)
     assert proc.returncode == 2 and "--quantize: invalid choice: 'int4'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "b").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -68,18 +67,29 @@ def tf_generate(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def savedmodels(fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny fp32 bundle (validated against JAX while converting), the two-expert one and the
-    first-last-frame one (CLIP and VAE-encode stages), converted in processes where torch cannot be imported."""
+def savedmodels(checkpoints, fp32_bundles, kind_bundles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny fp32 bundle (validated against JAX while converting), the two-expert one, the first-last-frame one
+    (CLIP and VAE-encode stages) and a bf16 bundle for the cuda target, converted in processes where torch cannot be
+    imported, two at a time."""
     root = tmp_path_factory.mktemp("savedmodels")
-    jobs = {"tiny": (fp32_bundles["tiny-64x32-f9"], ["--validate"]), "t2v-moe": (kind_bundles["t2v-moe"], []),
-            "flf2v": (kind_bundles["flf2v"], [])}
+
+    def cuda_bundle() -> Path:
+        run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "64x32", "--frames", "5",
+                   "--max-sequence-length", "16", "--dtype", "bf16", "--target", "cuda", "--out", str(root / "cuda-b"),
+                   "-q")
+        return root / "cuda-b"
+
+    jobs = {"tiny": (lambda: fp32_bundles["tiny-64x32-f9"], ["--validate"]),
+            "cuda": (cuda_bundle, ["-q"]),
+            "t2v-moe": (lambda: kind_bundles["t2v-moe"], []),
+            "flf2v": (lambda: kind_bundles["flf2v"], [])}
     out = {name: root / name for name in jobs}
     procs = dict(zip(jobs, in_parallel(*[
-        functools.partial(export_cli, "--savedmodel", str(bundle), "--out", str(out[name]), *extra)
+        lambda name=name, bundle=bundle, extra=extra: export_cli("--savedmodel", str(bundle()), "--out",
+                                                                 str(out[name]), *extra)
         for name, (bundle, extra) in jobs.items()])))
     for name, proc in procs.items():
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
     assert procs["tiny"].stderr.count("validated ") == 12 and ": Pass" in procs["tiny"].stderr, \
         procs["tiny"].stderr[-2000:]
     return out
@@ -215,14 +225,10 @@ def test_tf_client_bad_input(savedmodels, tmp_path: Path) -> None:
     assert not (tmp_path / "v.mp4").exists()
 
 
-def test_cuda_bundle_converts_for_gpu_serving(checkpoints, tmp_path: Path) -> None:
+def test_cuda_bundle_converts_for_gpu_serving(savedmodels) -> None:
     """A cuda bundle converts on a CPU-only machine: its signatures run the StableHLO for CUDA, and bf16
     weights stay bf16 variables."""
-    bundle, out = tmp_path / "cuda", tmp_path / "sm"
-    run_module("export", "--model", str(checkpoints["tiny"]), "--resolution", "64x32", "--frames", "5",
-               "--max-sequence-length", "16", "--dtype", "bf16", "--target", "cuda", "--out", str(bundle), "-q")
-    proc = export_cli("--savedmodel", str(bundle), "--out", str(out), "-q")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = savedmodels["cuda"]
     code = """
         import collections, tensorflow as tf
         model = tf.saved_model.load(sys.argv[1] + "/1")

@@ -312,16 +312,10 @@ def test_non_loopback_needs_a_key(fp32_bundles, tmp_path: Path) -> None:
     assert not (tmp_path / "jobs").exists()
 
 
-def test_two_processes_serve_one_mesh(checkpoints, tmp_path: Path) -> None:
+def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None:
     """Process 0 serves and owns the queue; process 1 runs each broadcast job with it (2 x 4 CPU devices), in each
-    of the bundle's shapes (the broadcast carries the job's shape)."""
-    from .conftest import CASES
-
-    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
-    bundle = tmp_path / "cpu8"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", f"{res},32x64", "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(bundle),
-               "-q")
+    of the bundle's shapes (the broadcast carries the job's shape: cpu8_bundle has a portrait one)."""
+    bundle = cpu8_bundle
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     multi = ("--coordinator", coordinator, "--num-processes", "2")

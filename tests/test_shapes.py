@@ -16,7 +16,7 @@ import pytest
 import runtime
 from runtime import manifest as mf
 
-from .conftest import KIND_CASES, SHAPES_CASE, in_parallel, run_module, run_modules, test_image
+from .conftest import KIND_CASES, SHAPES_CASE, in_parallel, run_cli, run_module, run_modules, test_image
 
 PROMPT = "a red fox running through snow, cinematic"
 NEGATIVE = "blurry"
@@ -129,12 +129,12 @@ def test_cli_size_and_frames_and_the_error_for_a_missing_shape(shapes_bundle: Pa
 def test_inspect_and_verify_show_the_shapes(shapes_bundle: Path) -> None:
     import json
 
-    summary = json.loads(run_module("runtime", "inspect", str(shapes_bundle), "--json").stdout)
+    summary = json.loads(run_cli("runtime", "inspect", str(shapes_bundle), "--json").stdout)
     assert [(s["width"], s["height"], s["frames"], s["default"]) for s in summary["shapes"]] == [
         (*s, i == 0) for i, s in enumerate(SHAPES)]
-    text = run_module("runtime", "inspect", str(shapes_bundle)).stdout
+    text = run_cli("runtime", "inspect", str(shapes_bundle)).stdout
     assert "shapes     4: 64x32 x 9 frames (0.5625 s) default, 64x32 x 5 frames (0.3125 s), 32x64 x 9" in text
-    proc = run_module("runtime", "verify", str(shapes_bundle))
+    proc = run_cli("runtime", "verify", str(shapes_bundle))
     assert "shapes: 4 (64x32 x 9 frames (default), 64x32 x 5 frames, 32x64 x 9 frames, 32x64 x 5 frames)" in proc.stdout
 
 

@@ -12,7 +12,7 @@ from runtime import scheduler
 from runtime.errors import UserError
 from runtime.magcache import MagCache
 
-from .conftest import CASES, run_module
+from .conftest import CASES, run_cli, run_module
 
 PROMPT = "a red fox running through snow"
 NEGATIVE = "blurry"
@@ -197,7 +197,7 @@ def test_generate_cli_magcache(fp32_bundles, tmp_path) -> None:
                       "--magcache", str(ratios), "--magcache-threshold", "0.1", "--magcache-max-skip", "2",
                       "--magcache-retention", "0.3", "--out", str(out))
     assert out.exists() and out.stat().st_size > 0, proc.stderr
-    bad = run_module("runtime", "generate", str(fp32_bundles[CASE]), "--prompt", PROMPT, "--magcache",
+    bad = run_cli("runtime", "generate", str(fp32_bundles[CASE]), "--prompt", PROMPT, "--magcache",
                      str(tmp_path / "missing.json"), "--out", str(tmp_path / "no.mp4"), check=False)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "missing.json does not exist" in bad.stderr and not (tmp_path / "no.mp4").exists()

@@ -22,7 +22,7 @@ from export.build import FAMILIES
 from runtime import kinds
 from runtime.bundle import partition_spec
 
-from .conftest import in_parallel, run_module
+from .conftest import in_parallel, run_cli, run_module
 
 CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --quantize)
     # two shapes (landscape and portrait), one copy of the weights
@@ -227,7 +227,7 @@ def test_several_shapes_share_the_weights_and_have_programs_each(tpu_bundles: di
 
 def test_runtime_refuses_a_bundle_without_weights(tpu_bundles: dict[str, Path], tmp_path: Path) -> None:
     bundle = tpu_bundles["1.3b-480p-v6e-4"]
-    proc = run_module("runtime", "generate", str(bundle), "--prompt", "x", "--out", str(tmp_path / "v.mp4"),
+    proc = run_cli("runtime", "generate", str(bundle), "--prompt", "x", "--out", str(tmp_path / "v.mp4"),
                       check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: bundle {bundle} has no weights attached (exported with --no-weights): "
