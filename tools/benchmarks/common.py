@@ -77,11 +77,17 @@ def checkpoint(work: Path, wl: Workload) -> Path:
     ckpt = work / wl.name / "checkpoint"
     if not (ckpt / "model_index.json").is_file():
         log(f"building the {wl.name} checkpoint in {ckpt}")
-        from export import tiny
-
-        pipe = tiny.build_pipeline(wl.model if isinstance(wl.model, str) else wl.model())
-        pipe.save_pretrained(str(ckpt), safe_serialization=True)
+        spawn("common:save_checkpoint", {"workload": wl.name, "out": str(ckpt)})  # keeps this process small
     return ckpt
+
+
+def save_checkpoint(a: dict[str, Any], spawned: float) -> dict[str, Any]:
+    from export import tiny
+
+    wl = WORKLOADS[a["workload"]]
+    tiny.build_pipeline(wl.model if isinstance(wl.model, str) else wl.model()).save_pretrained(
+        a["out"], safe_serialization=True)
+    return {}
 
 
 def bundle(work: Path, wl: Workload, dtype: str, target: str, *, quantize: str | None = None,
@@ -131,7 +137,9 @@ def run_child(func: str, args_json: str, spawned: str) -> int:
 
 
 def timed_process(cmd: list[str], env: dict[str, str], cwd: Path = ROOT) -> dict[str, float]:
-    """Run `cmd` to completion: its wall seconds, user and system CPU seconds and peak RSS (GB), that process alone."""
+    """Run `cmd` to completion: its wall seconds, user and system CPU seconds and peak RSS (GB), that process alone
+    (wait4's ru_maxrss counts the parent's RSS at the fork too: this process stays small, checkpoints are built in a
+    child)."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -144,11 +152,13 @@ def timed_process(cmd: list[str], env: dict[str, str], cwd: Path = ROOT) -> dict
     return {"wall": wall, "user": usage.ru_utime, "sys": usage.ru_stime, "rss_gb": usage.ru_maxrss / 1e6}
 
 
-def peak_rss_gb() -> float:
-    """This process's peak RSS (VmHWM)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+def peak_rss_gb(pid: int | str = "self") -> float:
+    """A process's peak RSS since it started its program (VmHWM). Not getrusage's ru_maxrss: Linux carries that over
+    from the parent through fork and exec, so a child of a big parent reports the parent's peak."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1e6  # kB
+    return float("nan")
 
 
 # -- figures -------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .common import (
     log,
     median,
     num,
+    peak_rss_gb,
     ratio,
     spawn,
     target_of,
@@ -48,13 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _peak_rss_gb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1e6
-    return float("nan")
 
 
 def serve_until_ready(bund: Path, cache_dir: str, device: str = "cpu", timeout: float = 3600) -> tuple[float, float]:
@@ -72,7 +66,7 @@ def serve_until_ready(bund: Path, cache_dir: str, device: str = "cpu", timeout: 
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
                         if r.status == 200:
-                            return time.time() - spawned, _peak_rss_gb(proc.pid)
+                            return time.time() - spawned, peak_rss_gb(proc.pid)
                 except OSError:
                     pass
                 time.sleep(0.02)
