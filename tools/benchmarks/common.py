@@ -67,8 +67,11 @@ def target_of(device: str) -> str:
 def export(args: Sequence[str], out: Path, root: Path = ROOT, quiet: bool = True) -> float:
     """`python -m export ... --out OUT --force` with the exporter of the checkout at `root`; its wall seconds."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "export", *args, "--out", str(out), "--force", *(["-q"] if quiet else [])],
-                   cwd=root, env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}, check=True)
+    proc = subprocess.run([sys.executable, "-m", "export", *args, "--out", str(out), "--force",
+                           *(["-q"] if quiet else [])], cwd=root, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"})
+    if proc.returncode != 0:
+        raise SystemExit(f"error: python -m export {shlex.join(args)} failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t
 
 
@@ -191,7 +194,7 @@ class Table:
         self.rows.append([str(c) for c in cells])
 
     def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+        lines = [f"### {self.title}", "| " + " | ".join(self.columns) + " |",
                  "| " + " | ".join("---" for _ in self.columns) + " |"]
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
         if self.notes:

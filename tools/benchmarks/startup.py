@@ -78,7 +78,8 @@ def _order(key: str) -> tuple[int, str]:
         if key.split()[0] in ("check", "weights", "lora", "deserialize", "compile") else 9, key
 
 
-def measure(a: argparse.Namespace, name: str, bund: Path) -> tuple[list[Table], dict[str, Any]]:
+def measure(a: argparse.Namespace, bund: Path) -> dict[str, list[dict[str, float]]]:
+    """Every start's marks and work, first and warm interleaved."""
     runs: dict[str, list[dict[str, float]]] = {"first": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="wan-aot-startup-") as tmp:
         warm = str(Path(tmp) / "warm")
@@ -87,25 +88,27 @@ def measure(a: argparse.Namespace, name: str, bund: Path) -> tuple[list[Table], 
             runs["first"].append(spawn("startup:child", {"bundle": str(bund), "cache_dir": str(Path(tmp) / str(i))},
                                        device=a.device))
             runs["warm"].append(spawn("startup:child", {"bundle": str(bund), "cache_dir": warm}, device=a.device))
-    med = {k: {ph: median([r[ph] for r in v]) for ph in PHASES} for k, v in runs.items()}
-    phases = Table(f"{name}: seconds since process spawn ({a.device}; medians of {a.repeats} starts)",
-                   ["start", *PHASES.values(), "vs first start"])
-    for k in runs:
-        phases.add(k, *(num(med[k][ph]) for ph in PHASES), ratio(med[k]["first_step"], med["first"]["first_step"]))
-    work = Table(f"{name}: the work behind the phases (s, medians; background work overlaps the phases)",
-                 ["work", "first start", "warm start"])
-    totals = {k: [_work(r) for r in v] for k, v in runs.items()}
-    for key in sorted({k for v in totals.values() for r in v for k in r}, key=_order):
-        work.add(key, *(num(median([r.get(key, 0.0) for r in totals[c]])) for c in runs))
-    return [phases, work], {"bundle": str(bund), "runs": runs}
+    return runs
 
 
 def run(a: argparse.Namespace) -> Report:
     targets = [(str(a.bundle), a.bundle)] if a.bundle else [
         (f"{w}, {d}", bundle(a.work, WORKLOADS[w], d, target_of(a.device))) for w in a.workload for d in a.dtype]
-    tables, raw = [], []
+    phases = Table(f"seconds since process spawn ({a.device}; medians of {a.repeats} starts)",
+                   ["bundle", "start", *PHASES.values(), "vs first start"])
+    work = Table("the work behind the phases (s, medians; background work overlaps the phases)",
+                 ["work", *(f"{name}: {k}" for name, _ in targets for k in ("first", "warm"))])
+    raw, totals = [], {}
     for name, bund in targets:
-        t, r = measure(a, name, bund)
-        tables += t
-        raw.append(r)
-    return Report(tables, raw)
+        runs = measure(a, bund)
+        raw.append({"bundle": str(bund), "runs": runs})
+        med = {k: {ph: median([r[ph] for r in v]) for ph in PHASES} for k, v in runs.items()}
+        for k in runs:
+            phases.add(name, k, *(num(med[k][ph]) for ph in PHASES),
+                       ratio(med[k]["first_step"], med["first"]["first_step"]))
+        totals[name] = {k: [_work(r) for r in v] for k, v in runs.items()}
+    keys = sorted({k for t in totals.values() for v in t.values() for r in v for k in r}, key=_order)
+    for key in keys:
+        work.add(key, *(num(median([r.get(key, 0.0) for r in totals[name][k]])) for name, _ in targets
+                        for k in ("first", "warm")))
+    return Report([phases, work], raw)
