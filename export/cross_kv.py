@@ -19,7 +19,7 @@ zero row's, so on CPU targets a bundle also holds programs over the first T rows
 kinds.text_lengths below 512) that add one row standing for the 512 - T zero rows: cross-attention gives that
 row a score bias of log(512 - T) (`block_precomputed`'s `pad_rows`), which is the same softmax as 512 - T equal
 rows. At the 1.3B widths and a 10-token prompt that is 65 rows instead of 512: cross_kv's output 8x smaller, and
-a 128x128 step 5% faster in fp32 (5.30 s against 5.57 s), 14% in bf16 (BENCHMARKS.md).
+a 128x128 step 5% faster in fp32 (5.30 s against 5.57 s), 14% in bf16 (docs/why.md).
 
 A cond-only step uses the first B. While a denoise program is traced, `precomputed` makes the blocks
 read these instead of projecting (the projections, norm_k and the embedders return the slices or a

@@ -14,7 +14,7 @@ blocks, cross_kv, the text encoder) takes the quantized tensors, and the bundle 
 
 - int8, fp8: the program dequantizes next to the matmul, `x @ (q * scale)`. On TPU XLA fuses the
   convert into the dot, so memory and bandwidth are the 8-bit weight's; XLA's CPU backend does not,
-  and converts each weight at every step (1.5-1.7x bf16's step on a 2-core Xeon, BENCHMARKS.md).
+  and converts each weight at every step (1.5-1.7x bf16's step on a 2-core Xeon, BENCHMARKS.md section 5).
 - int8-dynamic: the activations are quantized per token at run time too, and the dot is
   int8 x int8 -> int32 (`preferred_element_type`), scaled after: the int8 units of TPU v5e/v6e.
   Both operands stay integer (a float x int dot with an int32 accumulator crashes libtpu).

@@ -10,7 +10,7 @@ window that holds the written positions, views that dimension as (count, step), 
 slot and writes the window back, both with ``dynamic_update_slice``, which XLA does in place. The values
 written are the same, so programs compute bit-identical results; other indexes keep jax's own lowering.
 Fewer thunks also make a program load faster: the 1.3B step's executable comes from the compilation
-cache in 0.8-1.0 s instead of 1.1-1.4 s (BENCHMARKS.md section 5).
+cache in 0.8-1.0 s instead of 1.1-1.4 s (docs/why.md).
 """
 
 from __future__ import annotations
