@@ -44,9 +44,8 @@ from runtime.manifest import (
     shape_suffix,
 )
 
-from . import cross_kv, denoise, denoise_blocks, image_encoder, sharding, text_encoder
+from . import cross_kv, denoise, denoise_blocks, image_encoder, sharding, text_encoder, vae_decoder
 from . import vae as vae_stage
-from . import vae_decoder
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .source import Source

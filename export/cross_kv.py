@@ -39,7 +39,6 @@ import numpy as np
 
 from .trace import Extracted
 
-
 # diffusers' WanAttnProcessor takes all but the last 512 tokens of the cross-attention input as the image's
 # ("512 is the context length of the text encoder, hardcoded for now"); the split here is the same, so a bundle
 # with a shorter text context (tiny test models) computes what diffusers computes too.

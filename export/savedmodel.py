@@ -8,8 +8,8 @@
 Each signature runs the bundle's own jax.export program: the orbax `JaxModule` method calls the
 deserialized `Exported`, and jax2tf (native serialization) wraps that same StableHLO in an
 XlaCallModule op, so TF runs exactly what the runtime runs (a denoise step whose blocks are a program of
-their own runs its head, its block program once per block and its tail in one signature). Weights become tf.Variables (bf16 stays
-bf16); programs that share a weight group share its variables (the VAE's, a two-expert bundle's
+their own runs its head, its block program once per block and its tail in one signature). Weights become
+tf.Variables (bf16 stays bf16); programs that share a weight group share its variables (the VAE's, a two-expert bundle's
 `denoise_step` / `denoise_step_2` program with their own groups).
 
 This step reads only the bundle: no torch, torchax or diffusers (a test blocks them). The programs

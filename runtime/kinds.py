@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
-
 DIT_GROUPS = ("transformer", "transformer_2")  # the DiT experts' weight groups, in expert order
 TEXT_ENCODER = "text_encoder"  # the program over all max_sequence_length tokens; shorter ones add "_<length>"
 
