@@ -60,10 +60,6 @@ WORKLOADS = {w.name: w for w in (
 )}
 
 
-def target_of(device: str) -> str:
-    return {"cpu": "cpu", "cuda": "cuda"}[device]
-
-
 def export(args: Sequence[str], out: Path, root: Path = ROOT, quiet: bool = True) -> float:
     """`python -m export ... --out OUT --force` with the exporter of the checkout at `root`; its wall seconds."""
     t = time.perf_counter()
@@ -244,7 +240,8 @@ def add_common(p: argparse.ArgumentParser, *, repeats: int = 3, devices: Sequenc
     p.add_argument("--repeats", type=int, default=repeats,
                    help=f"repetitions, interleaved across what is compared; medians reported (default {repeats})")
     p.add_argument("--device", choices=list(devices), default="cpu",
-                   help="where the runtime (and torch, where compared) runs" if len(devices) > 1
+                   help="where the runtime (and torch, where compared) runs; bundles are exported for that target"
+                   if len(devices) > 1
                    else "this measure runs on the CPU only")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench",
                    help="checkpoints and bundles are built here once (default artifacts/bench)")

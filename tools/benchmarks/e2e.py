@@ -30,7 +30,6 @@ from .common import (
     log,
     median,
     num,
-    target_of,
     timed_process,
 )
 
@@ -62,7 +61,7 @@ def measure(a: argparse.Namespace, workload: str, dtype: str, tmp: Path) -> tupl
     import json
 
     wl = WORKLOADS[workload]
-    ckpt, bund = checkpoint(a.work, wl), bundle(a.work, wl, dtype, target_of(a.device))
+    ckpt, bund = checkpoint(a.work, wl), bundle(a.work, wl, dtype, a.device)
     env = child_env(a.device, WAN_AOT_CACHE_DIR=str(tmp / "jax-cache"), WAN_AOT_STAMP_DIR=str(tmp / "stamps"))
     out = str(tmp / f"{workload}-{dtype}.mp4")
     runtime_cmd = [sys.executable, "-m", "runtime", "generate", str(bund), "--prompt", PROMPT, "--negative-prompt",

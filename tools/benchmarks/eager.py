@@ -40,7 +40,6 @@ from .common import (
     peak_rss_gb,
     ratio,
     spawn,
-    target_of,
 )
 
 PATHS = ("runtime", "jit", "eager")
@@ -230,7 +229,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[Table, dict[str, Any]]:
     wl = WORKLOADS[workload]
-    target = target_of(a.device)
+    target = a.device
     ckpt, bund = checkpoint(a.work, wl), bundle(a.work, wl, dtype, target)
     base_bundle = bundle(a.work, wl, dtype, target, root=a.baseline) if a.baseline else None
     base = {"bundle": str(bund), "checkpoint": str(ckpt), "dtype": dtype, "steps": a.steps, "device": a.device,

@@ -33,7 +33,6 @@ from .common import (
     peak_rss_gb,
     ratio,
     spawn,
-    target_of,
 )
 
 MODES = ("int8", "fp8", "int8-dynamic")
@@ -99,7 +98,7 @@ def run_table(a: argparse.Namespace, workload: str, dtype: str) -> tuple[Table, 
 
     import runtime
 
-    wl, target = WORKLOADS[workload], target_of(a.device)
+    wl, target = WORKLOADS[workload], a.device
     bundles = {dtype: bundle(a.work, wl, dtype, target),
                **{m: bundle(a.work, wl, dtype, target, quantize=m) for m in a.modes}}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in bundles}

@@ -37,7 +37,6 @@ from .common import (
     peak_rss_gb,
     ratio,
     spawn,
-    target_of,
 )
 
 
@@ -111,7 +110,7 @@ def four_shapes(wl: Workload) -> tuple[str, str]:
 
 def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[str], dict[str, Any]]:
     wl = WORKLOADS[workload]
-    target = target_of(a.device)
+    target = a.device
     shapes = four_shapes(wl)
     one, four = bundle(a.work, wl, dtype, target), bundle(a.work, wl, dtype, target, shapes=shapes)
     runs: dict[str, list[tuple[float, float]]] = {"generate, 1 shape": [], "serve, 1 shape": [],

@@ -38,7 +38,6 @@ from .common import (
     median,
     num,
     ratio,
-    target_of,
 )
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -152,7 +151,7 @@ def one_run(a: argparse.Namespace, pg: Postgres, bund: Path, replicas: int, post
 
 def run(a: argparse.Namespace) -> Report:
     wl = WORKLOADS[a.workload[0]]
-    bund = bundle(a.work, wl, a.dtype[0], target_of(a.device))
+    bund = bundle(a.work, wl, a.dtype[0], a.device)
     work = a.work / "serve"
     work.mkdir(parents=True, exist_ok=True)
     pg = Postgres()

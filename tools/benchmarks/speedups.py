@@ -29,7 +29,6 @@ from .common import (
     median,
     num,
     ratio,
-    target_of,
 )
 
 
@@ -52,7 +51,7 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
     import runtime
     from runtime.magcache import MagCache
 
-    pipe = runtime.load(bundle(a.work, WORKLOADS[workload], dtype, target_of(a.device)))
+    pipe = runtime.load(bundle(a.work, WORKLOADS[workload], dtype, a.device))
     pipe.prepare()
     embeds = pipe.encode(PROMPT, NEGATIVE)
     name = f"{workload}, {dtype} ({WORKLOADS[workload].shape}; {a.device}; {a.steps} steps"

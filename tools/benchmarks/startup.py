@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import PROMPT, WORKLOADS, Report, Table, add_common, bundle, median, num, ratio, spawn, target_of
+from .common import PROMPT, WORKLOADS, Report, Table, add_common, bundle, median, num, ratio, spawn
 
 PHASES = {"imported": "runtime imported", "loaded": "bundle opened", "encoded": "prompt encoded",
           "first_step": "step 1 done"}
@@ -93,7 +93,7 @@ def measure(a: argparse.Namespace, bund: Path) -> dict[str, list[dict[str, float
 
 def run(a: argparse.Namespace) -> Report:
     targets = [(str(a.bundle), a.bundle)] if a.bundle else [
-        (f"{w}, {d}", bundle(a.work, WORKLOADS[w], d, target_of(a.device))) for w in a.workload for d in a.dtype]
+        (f"{w}, {d}", bundle(a.work, WORKLOADS[w], d, a.device)) for w in a.workload for d in a.dtype]
     phases = Table(f"seconds since process spawn ({a.device}; medians of {a.repeats} starts)",
                    ["bundle", "start", *PHASES.values(), "vs first start"])
     work = Table("the work behind the phases (s, medians; background work overlaps the phases)",
