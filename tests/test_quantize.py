@@ -23,12 +23,21 @@ from runtime.magcache import MagCache
 
 from .conftest import CASES, KIND_CASES, ROOT, in_parallel, run_cli, run_module, run_modules
 
+sys.path.insert(0, str(ROOT / "tools"))
+import quality  # noqa: E402  (tools/quality.py: the fidelity measure the bounds are stated in)
+
 MODES = ("int8", "fp8", "int8-dynamic")
 STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8-dynamic": np.dtype(np.int8)}
-# Frames' PSNR against the same bundle unquantized, same latents, 4 steps: the smallest allowed per mode. Measured
-# on these two models and bf16 ones (BENCHMARKS.md, tools/quality.py): int8 weights lose least, fp8's 3 mantissa
-# bits and int8 activations more.
-PSNR_BOUND = {"int8": 40.0, "fp8": 32.0, "int8-dynamic": 32.0}
+# Fidelity against the same bundle unquantized (fp32, the same latents), as tools/quality.py measures it over its
+# prompts x SEEDS, 4 steps, guidance 4. The first step's velocity error is what the weights' rounding sets, and it is
+# stable across models (int8 1.1e-3..6.6e-3, int8-dynamic 6.4e-3..1.1e-2, fp8 9.8e-3..2.5e-2); the frames' PSNR (the
+# worst prompt x seed) adds how much a random tiny model amplifies that over the steps, which depends on the model,
+# shape and seed (int8 37.2..68.3 dB, fp8 32.2..54.5, int8-dynamic 32.5..65.2). Measured over tiny, tiny-wide and
+# tiny-t2v-moe at 64x32 and 96x64 (BENCHMARKS.md section 5); the bounds sit below the least of each. In bf16 such a
+# model's frames are as far from fp32's (32-36 dB) as a quantized bf16 bundle's from bf16's: bounds are for fp32.
+SEEDS = (0, 1, 2)
+VELOCITY_BOUND = {"int8": 1e-2, "int8-dynamic": 2e-2, "fp8": 4e-2}
+PSNR_BOUND = {"int8": 35.0, "fp8": 30.0, "int8-dynamic": 30.0}
 LORA_PSNR_BOUND = 38.0  # int8 with an adapter merged and quantized again, against fp32 with the same adapter
 KINDS = {"t2v": ("checkpoints", "tiny", CASES["tiny-64x32-f9"]), "t2v-moe": ("kind", "t2v-moe", KIND_CASES["t2v-moe"])}
 PROMPT = "a lighthouse in a storm"
@@ -63,11 +72,6 @@ def quant_bundles(checkpoints, kind_checkpoints, tmp_path_factory) -> dict[tuple
                          str(max_len), "--quantize", mode, "--out", str(path), "-q"])
     run_modules(*commands)
     return out
-
-
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
 
 
 def _frames(pipe: runtime.Pipeline, seed: int = 3, **kw) -> np.ndarray:
@@ -108,12 +112,28 @@ def test_mode_stores_8_bit_weights_and_stays_close(kind, mode, quant_bundles, fp
             assert not q, group
     proc = run_cli("runtime", "verify", str(bundle))
     assert "ready to run" in proc.stdout
-    got = _frames(runtime.load(bundle))
-    want = _frames(runtime.load(_reference(kind, fp32_bundles, kind_bundles)))
-    assert np.isfinite(got).all()
-    psnr = _psnr(got, want)
-    print(f"{kind} {mode}: {psnr:.1f} dB")
-    assert PSNR_BOUND[mode] <= psnr < math.inf, f"{kind} {mode}: {psnr:.1f} dB"
+    rows = quality.compare(runtime.load(_reference(kind, fp32_bundles, kind_bundles)), runtime.load(bundle),
+                           list(quality.PROMPTS), list(SEEDS), STEPS, 4.0)
+    print(f"{kind} {mode}:\n{quality.table(rows)}")
+    s = quality.summary(rows)
+    assert PSNR_BOUND[mode] <= s["psnr_db_min"] < math.inf, f"{kind} {mode}: {s}"
+    assert 0 < s["velocity_rel_error_max"] <= VELOCITY_BOUND[mode], f"{kind} {mode}: {s}"
+
+
+def test_quality_tool(quant_bundles, fp32_bundles, kind_bundles, capsys) -> None:
+    """`tools/quality.py --json` reports a row per prompt x seed and their summary; bundles of two kinds are one
+    line and exit 2."""
+    ref, cand = fp32_bundles["tiny-64x32-f9"], quant_bundles["t2v", "fp8"]
+    argv = ["--reference", str(ref), "--candidate", str(cand), "--seeds", "0", "4", "--steps", "2", "--json"]
+    assert quality.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = [quality.Row(**r) for r in out["rows"]]
+    assert [(r.prompt, r.seed) for r in rows] == [(p, s) for p in quality.PROMPTS for s in (0, 4)]
+    assert out["summary"] == quality.summary(rows)
+    assert all(0 < r.velocity_rel_error <= VELOCITY_BOUND["fp8"] and r.psnr_db < math.inf for r in rows)
+    assert quality.main(["--reference", str(ref), "--candidate", str(kind_bundles["t2v-moe"])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the bundles are of different kinds") and len(err.splitlines()) == 1, err
 
 
 def test_inspect_shows_bytes_per_device_by_dtype(quant_bundles) -> None:
@@ -196,9 +216,9 @@ def test_lora_merges_into_quantized_weights(quant_bundles, fp32_bundles, checkpo
                   for k, b in bundles.items()])
     frames = {(k, with_lora): _frames(runtime.load(b, loras=[(adapters[k], 0.8)] if with_lora else None))
               for k, b in bundles.items() for with_lora in (True, False)}
-    close = _psnr(frames["int8", True], frames["plain", True])
+    close = quality.psnr(frames["int8", True], frames["plain", True])
     assert close >= LORA_PSNR_BOUND
-    assert _psnr(frames["int8", True], frames["int8", False]) < close - 5  # the adapter changes far more than that
+    assert quality.psnr(frames["int8", True], frames["int8", False]) < close - 5  # the adapter changes more
     pipe = runtime.load(bundles["int8"], loras=[(adapters["int8"], 0.8)])
     w = pipe.bundle.weights("transformer", "denoise_step")
     assert w["blocks.0.attn1.to_q.weight"].dtype == np.int8
@@ -213,7 +233,7 @@ def test_magcache_and_cfg_free_steps_on_a_quantized_bundle(quant_bundles, fp32_b
         embeds = {p: p.encode(PROMPT) for p in (q, plain)}
         guidance = 4.0 if kw else 1.0
         lat = {p: p.denoise(embeds[p], seed=1, steps=6, guidance=guidance, progress=False, **kw) for p in (q, plain)}
-        assert _psnr(q.decode(lat[q]), plain.decode(lat[plain])) >= PSNR_BOUND["fp8"]
+        assert quality.psnr(q.decode(lat[q]), plain.decode(lat[plain])) >= PSNR_BOUND["fp8"]
 
 
 # -- checkpoints in lightx2v's layout -----------------------------------------------------------------------------
@@ -351,4 +371,4 @@ def test_clip_kind_quantizes_the_image_encoder_too(kind_checkpoints, kind_bundle
         pipe = runtime.load(path)
         out.append(pipe.generate(PROMPT, **images, seed=2, steps=STEPS, latents=pipe.initial_latents(2),
                                  progress=False))
-    assert _psnr(*out) >= PSNR_BOUND["int8"]
+    assert quality.psnr(*out) >= PSNR_BOUND["int8"]
