@@ -278,6 +278,45 @@ def test_lease_stops_heartbeating_a_stalled_job() -> None:
     assert lost.lost
 
 
+def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The worker records a job's outcome after its lease has ended: a heartbeat still in flight when the job's
+    run returns renews a job in progress, rather than landing after `complete` and reading as a takeover."""
+    from types import SimpleNamespace
+
+    from runtime.serve import app
+    from runtime.serve.storage import Directory
+
+    in_flight, completed = threading.Event(), threading.Event()
+
+    class Store:  # what _run calls, fenced like JobStore: a heartbeat or write on a job not in progress fails
+        lease = 0.8  # a heartbeat every 0.2 s
+        storage = Directory(tmp_path)
+
+        def heartbeat(self, job) -> bool:
+            in_flight.set()
+            time.sleep(0.3)  # a slow database write: the job's run returns meanwhile
+            return not completed.is_set()
+
+        def video_key(self, job) -> str:
+            return "videos/j-1.mp4"
+
+        def complete(self, job, key: str) -> None:
+            assert not completed.is_set()
+            completed.set()
+
+    def run_job(pipe, params, images, video, **callbacks) -> None:
+        assert in_flight.wait(5)  # return while a heartbeat is in flight
+        video.write_bytes(b"mp4")
+
+    monkeypatch.setattr(app, "run_job", run_job)
+    state = app.State(settings=SimpleNamespace(stall=10.0), store=Store())
+    job = SimpleNamespace(id="j", attempts=1, images=[], params={})
+    with caplog.at_level("INFO", logger="runtime"):
+        app._run(state, job)
+    assert completed.is_set() and (tmp_path / "videos" / "j-1.mp4").read_bytes() == b"mp4"
+    assert "job j: completed" in caplog.text and "taken over" not in caplog.text, caplog.text
+
+
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, str]]:
     """moto's S3 server on loopback, with a bucket; yields the environment that points s3fs at it."""

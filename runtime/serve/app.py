@@ -297,12 +297,14 @@ def worker(state: State) -> None:
 
 
 def _run(state: State, job: Job) -> None:
-    """Run a claimed job under its lease and record the outcome, fenced: a replica that lost the job (its lease
-    ran out while it was stopped or cut off, and another replica took it over) records nothing."""
+    """Run a claimed job under its lease, then record the outcome, fenced: a replica that lost the job (its lease
+    ran out while it was stopped or cut off, and another replica took it over) records nothing. The outcome is
+    recorded after the lease has ended (no heartbeat in flight): a heartbeat landing after the job is completed or
+    failed finds it no longer in progress and would read as a takeover."""
     store, m = state.store, state.metrics
     log.info("job %s: started (attempt %d)", job.id, job.attempts)
     t0 = time.perf_counter()
-    outcome = "lost"
+    failure: tuple[str, str] | None = None
     with Lease(lambda: store.heartbeat(job), store.lease, state.settings.stall, state.on_stall) as lease:
 
         def progress(p: int) -> None:
@@ -322,17 +324,22 @@ def _run(state: State, job: Job) -> None:
                 run_job(state.pipe, job.params, images, video, on_progress=progress,
                         on_step_time=m.step_seconds.observe if m else (lambda s: None),
                         on_stage=lambda stage: lease.progress())
+        except UserError as e:
+            failure = ("generation_failed", str(e))
+            log.warning("job %s: failed: %s", job.id, e)
+        except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
+            log.exception("job %s: internal error", job.id)
+            failure = ("internal_error", f"{type(e).__name__}: {e}")
+    if failure is not None:
+        outcome = _fail(store, job, *failure)
+    else:
+        try:
             store.complete(job, key)
             outcome = "completed"
             log.info("job %s: completed in %.1f s", job.id, time.perf_counter() - t0)
         except Lost:
+            outcome = "lost"
             log.warning("job %s: taken over by another replica while this one ran it; its result is dropped", job.id)
-        except UserError as e:
-            outcome = _fail(store, job, "generation_failed", str(e))
-            log.warning("job %s: failed: %s", job.id, e)
-        except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
-            log.exception("job %s: internal error", job.id)
-            outcome = _fail(store, job, "internal_error", f"{type(e).__name__}: {e}")
     took = time.perf_counter() - t0
     state.job_seconds[:] = [*state.job_seconds[-9:], took]
     if m:

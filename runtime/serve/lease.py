@@ -56,7 +56,7 @@ class Lease:
                 self._on_stall()
                 return
             try:
-                if not self._heartbeat():
+                if not self._heartbeat() and not self._done.is_set():  # (ended meanwhile: nothing was lost)
                     self.lost = True
                     log.error("the running job was taken over by another replica (its lease ran out)")
                     return
