@@ -1,4 +1,4 @@
-"""`python -m export`: build a bundle from a diffusers-format Wan checkpoint.
+r"""`python -m export`: build a bundle from a diffusers-format Wan checkpoint.
 
     python -m export --model tiny --resolution 64x64 --frames 9 --out artifacts/tiny
     python -m export --model tiny --resolution 64x32,32x64 --frames 5,9 --out artifacts/tiny-4   # 4 shapes
@@ -11,6 +11,9 @@
     python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
     python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel    # TF Serving (extra: savedmodel)
     python -m export --lora my_lora.safetensors --bundle artifacts/tiny --out artifacts/my_lora.safetensors
+    python -m export --model Wan-AI/Wan2.1-T2V-14B-Diffusers --resolution 480p --out artifacts/14b-4step \
+        --merge-lora lightx2v_T2V_14B_cfg_step_distill_v2_lora_rank64_bf16.safetensors \
+        --defaults steps=4,guidance=1,sampler=euler,flow_shift=5      # a 4-step, CFG-free bundle
 
 The model kind (Wan 2.1/2.2, T2V, TI2V, I2V, FLF2V, one or two experts) is detected from the checkpoint.
 """
@@ -51,10 +54,12 @@ def parser() -> argparse.ArgumentParser:
                         "int8 activations per token, int8 x int8 -> int32 dots). With --attach-weights it must be "
                         "the mode the bundle was exported with (the default)")
     p.add_argument("--dit-weights", action="append", type=Path, metavar="FILE",
-                   help="with --attach-weights: a pre-quantized DiT checkpoint in lightx2v's layout (original Wan "
-                        "names, int8 or float8_e4m3fn weights with a per-row weight_scale; a .safetensors file or a "
-                        "directory of them) used as is instead of quantizing --weights' DiT; give it once per "
-                        "expert, the high-noise one first")
+                   help="with --attach-weights: the DiT's weights from this file instead of --weights' DiT, in the "
+                        "original Wan layout (`blocks.N.self_attn.q.weight`, as lightx2v and ComfyUI ship full and "
+                        "step-distilled DiTs; a .safetensors file or a directory of them): bf16/fp32, cast to the "
+                        "bundle's dtype, or pre-quantized (int8 / float8_e4m3fn with a per-row weight_scale) for a "
+                        "bundle of that --quantize mode, used as is; give it once per expert, the high-noise one "
+                        "first")
     p.add_argument("--savedmodel", type=Path, metavar="BUNDLE",
                    help="instead of exporting: write this finished cpu/cuda bundle as a TensorFlow SavedModel "
                         "(TF Serving layout: OUT/1/saved_model.pb) to --out; needs the savedmodel extra, not torch")
@@ -67,6 +72,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-into", choices=("transformer", "transformer_2"), default=None,
                    help="with --lora: load the LoRA's `transformer` keys into this expert (diffusers' "
                         "load_into_transformer_2; e.g. a Wan 2.2 low-noise LoRA)")
+    p.add_argument("--defaults", metavar="KEY=VALUE,...",
+                   help="the bundle's run defaults, over the checkpoint's (steps 50, guidance 5, its scheduler's "
+                        "sampler and flow shift): steps, guidance, guidance_2, flow_shift, sampler (unipc, euler, "
+                        "dpm++), sigmas (the last key: sigmas=1,0.75,0.5,0.25), fps; e.g. "
+                        "steps=4,guidance=1,sampler=euler,flow_shift=5 for a step-distilled model")
+    p.add_argument("--merge-lora", action="append", default=[], metavar="FILE[:SCALE]",
+                   help="merge this LoRA (diffusers, PEFT, ComfyUI/lightx2v `diffusion_model.` or musubi keys; "
+                        ".safetensors) into the DiT's weights at export, scale default 1 (repeatable); its "
+                        "`transformer` keys go to the first (high-noise) expert")
+    p.add_argument("--merge-lora-2", action="append", default=[], metavar="FILE[:SCALE]",
+                   help="as --merge-lora, into the second (low-noise) expert `transformer_2` of a two-expert model "
+                        "(e.g. Wan2.2-Lightning's low-noise LoRA)")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
     p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
                                         "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32); "
@@ -127,11 +144,16 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--validate goes with --savedmodel BUNDLE")
         if args.dit_weights:
             raise UserError("--dit-weights goes with --attach-weights BUNDLE --weights SOURCE")
-        from .build import Settings, build_bundle, parse_frames, parse_shapes, size_multiple
+        from .build import Settings, build_bundle, parse_defaults, parse_frames, parse_shapes, size_multiple
 
         if args.resolution is None or args.out is None:
             raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
         parse_frames(args.frames)  # a bad count fails before the model is read
+        run_defaults = parse_defaults(args.defaults)
+        merges = _merges(args)
+        if merges and args.no_weights:
+            raise UserError("--merge-lora needs weights to merge into: drop --no-weights, or merge when attaching "
+                            "(--attach-weights BUNDLE --weights SOURCE --merge-lora FILE)")
         if args.batch < 1:
             raise UserError(f"--batch {args.batch} must be >= 1")
         if args.max_sequence_length < 1:
@@ -154,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                                 block_q=args.attention_block_q, block_kv=args.attention_block_kv,
                                 flash=_flash_blocks(args),
                                 k_smoothing=args.k_smoothing),
-                            quantize=args.quantize)
+                            quantize=args.quantize, defaults=run_defaults, loras=tuple(merges))
         manifest = build_bundle(src, settings, args.out, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -165,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("export").info("wrote %s (bundle %s%s) in %.1f s", args.out, manifest.bundle_id,
                                      "" if manifest.has_weights else ", no weights", time.perf_counter() - t0)
     return 0
+
+
+def _merges(args: argparse.Namespace) -> list:
+    """--merge-lora / --merge-lora-2 as (file, scale, expert) (export/lora.py); a missing file fails here."""
+    from .lora import parse_merge
+
+    return [parse_merge(t, None) for t in args.merge_lora] + [parse_merge(t, "transformer_2") for t in args.merge_lora_2]
 
 
 def _flash_blocks(args: argparse.Namespace) -> FlashBlocks:
@@ -210,9 +239,13 @@ def _attach(args: argparse.Namespace) -> int:
         raise UserError(f"--weights {args.weights} is one file: give the whole diffusers-format checkpoint as "
                         "--weights (for the text encoder, VAE and tokenizer) and a pre-quantized DiT file as "
                         "--dit-weights")
+    from .build import parse_defaults
+
+    run_defaults, merges = parse_defaults(args.defaults), _merges(args)
     dtype = mf.read(args.attach_weights).dtype
     manifest = attach_weights(args.attach_weights, load(args.weights, dtype, args.revision), force=args.force,
-                              quantize=args.quantize, dit_weights=args.dit_weights or [])
+                              quantize=args.quantize, dit_weights=args.dit_weights or [], defaults=run_defaults,
+                              merges=merges)
     logging.getLogger("export").info("attached weights to %s (bundle %s) in %.1f s", args.attach_weights,
                                      manifest.bundle_id, time.perf_counter() - t0)
     return 0

@@ -21,7 +21,8 @@ from runtime.errors import UserError
 
 from . import weights as weight_writer
 from .attention import AttentionConfig
-from .build import FAMILIES, load_component, replace_dir, write_tokenizer
+from .build import FAMILIES, defaults_for, load_component, replace_dir, write_tokenizer
+from .lora import merge_into, provenance, read_merges
 from .prequantized import check_lightx2v, read_lightx2v
 from .source import Source
 
@@ -29,12 +30,15 @@ log = logging.getLogger("export")
 
 
 def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str | None = None,
-                   dit_weights: list[Path] | None = None) -> mf.Manifest:
+                   dit_weights: list[Path] | None = None, defaults: dict[str, Any] | None = None,
+                   merges: list[Any] | None = None) -> mf.Manifest:
     """Write `src`'s weights and tokenizer into `bundle` (a --no-weights bundle, or any bundle with force).
 
     A quantized bundle takes `src`'s weights quantized as at export (`quantize`, when given, must be the
-    bundle's mode), or its DiT experts from pre-quantized files in lightx2v's layout (`dit_weights`, one
-    per expert in order; export/prequantized.py), used as they are."""
+    bundle's mode). `dit_weights` (one per expert, in order) replace `src`'s DiT experts with files in the
+    original Wan layout (export/prequantized.py): float ones cast to the bundle's dtype, pre-quantized ones (a
+    quantized bundle) used as they are. `merges` (--merge-lora, export/lora.py) are merged into the DiT's
+    weights; `defaults` (--defaults) replace the bundle's run defaults."""
     import torch
 
     manifest = mf.read(bundle)
@@ -46,9 +50,6 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
                         f"{was}, or export the bundle again with --quantize {quantize}")
     experts = [g for g in manifest.weights if g in ("transformer", "transformer_2")]
     dit_weights = list(dit_weights or [])
-    if dit_weights and manifest.quantize is None:
-        raise UserError("--dit-weights takes a pre-quantized DiT: the bundle must be exported with the file's "
-                        "--quantize mode")
     if len(dit_weights) not in (0, len(experts)):
         raise UserError(f"{bundle} has {len(experts)} DiT expert(s) ({', '.join(experts)}): give --dit-weights "
                         f"once per expert, the high-noise one first (got {len(dit_weights)})")
@@ -56,6 +57,19 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     computed = {group: _computed(src, group) for group in prequantized}
     for group, path in prequantized.items():  # from their headers, before anything is loaded or written
         check_lightx2v(path, manifest.weights[group], group, set(computed[group]))
+    merges = list(merges or [])
+    if merges and prequantized and manifest.quantize:
+        raise UserError("--merge-lora cannot merge into a pre-quantized --dit-weights file: merge the LoRA at load "
+                        "instead (python -m export --lora, then --lora ADAPTER on the runtime)")
+    adapters = read_merges(merges, {g: {k: t.shape for k, t in manifest.weights[g].tensors.items()}
+                                    for g in experts}) if merges else []
+    run_defaults = manifest.defaults
+    if defaults:
+        from runtime import kinds
+        from runtime.scheduler import UniPCConfig
+
+        run_defaults = defaults_for(kinds.get(manifest.kind), UniPCConfig.from_json(manifest.scheduler),
+                                    manifest.defaults, defaults)
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
     _check_baked(manifest, src)
@@ -73,8 +87,11 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
                     module = None
                     tensors = read_lightx2v(prequantized[group], wf, group, computed[group])
                     label = str(prequantized[group])
+                    if adapters:
+                        merge_into(tensors, group, adapters)
                 else:
-                    module, ex = load_component(src, group, AttentionConfig(), quantize=manifest.quantize)
+                    module, ex = load_component(src, group, AttentionConfig(), quantize=manifest.quantize,
+                                                adapters=adapters)
                     tensors, label = ex.weights, src.id
                     if ex.quantized != wf.quantized:
                         raise UserError(f"{src.id}'s {group} quantizes other tensors than the bundle records: "
@@ -91,8 +108,11 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
         tokenizer = write_tokenizer(tmp, src.tokenizer_json)
         described = src.describe()
         source = {**manifest.source, "weights": {"kind": described["kind"], "id": described["id"],
-                                                 "revision": described["revision"]}}
-        new = dataclasses.replace(manifest, weights=files, tokenizer=tokenizer, source=source).with_id()
+                                                 "revision": described["revision"]}, **provenance(merges)}
+        if prequantized:
+            source["dit_weights"] = [{"file": Path(p).name, "expert": g} for g, p in prequantized.items()]
+        new = dataclasses.replace(manifest, weights=files, tokenizer=tokenizer, source=source,
+                                  defaults=run_defaults).with_id()
         (tmp / mf.MANIFEST_FILE).write_text(mf.canonical_json(new.to_json()))
         replace_dir(tmp, bundle)
         return new

@@ -23,7 +23,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from runtime import images, kinds
+from runtime import samplers
 from runtime import scheduler as sched
+from runtime import settings as run_settings
 from runtime.errors import UserError
 from runtime.files import process_alive
 from runtime.kinds import Kind
@@ -44,7 +46,7 @@ from runtime.manifest import (
     shape_suffix,
 )
 
-from . import cross_kv, denoise, denoise_blocks, image_encoder, sharding, text_encoder, vae_decoder
+from . import cross_kv, denoise, denoise_blocks, image_encoder, lora, sharding, text_encoder, vae_decoder
 from . import vae as vae_stage
 from . import weights as weight_writer
 from .attention import AttentionConfig
@@ -65,6 +67,8 @@ class Settings:
     target: Target
     attention: AttentionConfig = AttentionConfig()
     quantize: str | None = None  # export/quantize.py MODES
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # --defaults: run defaults over the checkpoint's
+    loras: tuple[lora.MergeSpec, ...] = ()  # --merge-lora / --merge-lora-2: merged into the DiT's weights
 
 
 def size_multiple(src: Source) -> int:
@@ -167,14 +171,16 @@ def dit_shape(src: Source, geo: Geometry) -> sharding.DitShape:
 
 
 def load_component(src: Source, group: str, attention: AttentionConfig, mesh: Any = None,
-                   platform: str = "cpu", quantize: str | None = None) -> tuple[Any, Extracted]:
+                   platform: str = "cpu", quantize: str | None = None,
+                   adapters: list[tuple[dict[str, Any], float]] = ()) -> tuple[Any, Extracted]:
     """(torch module, its torchax extraction) of one weight group; the module keeps the weights alive.
 
     Only the DiT runs the TPU kernel (sharded over `mesh`); the encoders and VAE use XLA attention.
     On CPU the VAE's 3D convolutions run as 2D ones (export/conv.py; the decoder is replaced by
     export/vae_decoder.py in `export_vae`) and bf16 matmuls accumulate in fp32 (export/cpu_dots.py).
     With `quantize`, the layers export/quantize.py's table names are swapped for quantized ones before
-    the module is extracted, so every program traced from it takes the quantized tensors.
+    the module is extracted, so every program traced from it takes the quantized tensors. `adapters`
+    (export/lora.py read_merges) are merged into a DiT expert's weights first, so they are quantized merged.
     """
     cpu = platform == "cpu"
     loaders = {"text_encoder": src.load_text_encoder, "image_encoder": src.load_image_encoder,
@@ -183,6 +189,9 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
     if group not in loaders:
         raise KeyError(group)
     module = loaders[group]()
+    if adapters and group in kinds.DIT_GROUPS and src.weights:
+        changed = lora.merge_into(dict(module.named_parameters()), group, list(adapters))
+        log.info("merged %d LoRA adapter(s) into %d %s tensors", len(adapters), changed, group)
     quantized = {}
     if quantize:
         from . import quantize as quant
@@ -200,6 +209,14 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
     return module, ex
 
 
+def expert_shapes(src: Source) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Each DiT expert's tensor shapes, from the model built on `meta` (no weights read): what --merge-lora
+    adapters are checked against before an export starts."""
+    module = dataclasses.replace(src, weights=False).load_transformer("transformer")
+    shapes = {k: tuple(v.shape) for k, v in module.named_parameters()}
+    return {group: shapes for group in src.model.expert_groups}
+
+
 def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Manifest:
     """Export every stage of `src` for `s` into the bundle directory `out` (weights only if src has them)."""
     import torch
@@ -212,8 +229,11 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     for g in shapes:
         sharding.check_dit(s.target, dit_shape(src, g), src.id,
                            f"{g.size} x {g.frames} frames" if len(shapes) > 1 else "")
-    sched_cfg = sched.config_from_diffusers(src.scheduler_config)
+    sampler, sched_cfg, shift = samplers.from_checkpoint(src.scheduler_config)
+    run_defaults = defaults_for(kind, sched_cfg, Defaults(steps=50, guidance=5.0, flow_shift=shift, fps=kind.fps,
+                                                          sampler=sampler), s.defaults)
     order = sched_cfg.solver_order
+    adapters = lora.read_merges(list(s.loras), expert_shapes(src)) if s.loras else []
     attention = attention_for(s.target, s.attention)
     mesh = abstract_mesh(s.target)
     tmp = _fresh_tmp(out)
@@ -292,7 +312,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
             for e, group in enumerate(kind.expert_groups):
                 module, ex = load_component(src, group, attention, mesh, platform=s.target.platform,
-                                            quantize=s.quantize)
+                                            quantize=s.quantize, adapters=adapters)
                 add_weights(group, ex.weights, ex.quantized)
                 if e == 0:
                     add_program(kinds.cross_kv_program(0), group,
@@ -336,10 +356,10 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             image_processor = images.clip_config(src.image_processor_config or {})
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
-            source=src.describe(),
+            source={**src.describe(), **lora.provenance(list(s.loras))},
             shapes=tuple(shapes),
             target=s.target,
-            defaults=Defaults(steps=50, guidance=5.0, flow_shift=sched_cfg.flow_shift, fps=kind.fps),
+            defaults=run_defaults,
             scheduler=sched_cfg.to_json(),
             dtype=s.dtype,
             attention=attention.to_json(),
@@ -358,6 +378,57 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+DEFAULT_KEYS = ("steps", "guidance", "guidance_2", "flow_shift", "sampler", "sigmas", "fps")
+
+
+def parse_defaults(text: str | None) -> dict[str, Any]:
+    """--defaults "steps=4,guidance=1,sampler=euler,flow_shift=5,sigmas=1,0.75,0.5,0.25" -> {key: value}. A bare
+    number after sigmas= is one more sigma. Values are checked against the model in `defaults_for`."""
+    out: dict[str, Any] = {}
+    last = None
+    for item in (text.split(",") if text else []):
+        item = item.strip()
+        key, sep, value = item.partition("=")
+        if not sep and last == "sigmas":
+            out["sigmas"].append(item)
+            continue
+        key = key.strip().replace("-", "_")
+        if not sep or key not in DEFAULT_KEYS:
+            raise UserError(f"--defaults {text!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(DEFAULT_KEYS)}")
+        if key in out:
+            raise UserError(f"--defaults {text!r} sets {key} twice")
+        out[key] = [value.strip()] if key == "sigmas" else value.strip()
+        last = key
+    try:
+        for key in ("steps", "fps"):
+            if key in out:
+                out[key] = int(out[key])
+        for key in ("guidance", "guidance_2", "flow_shift"):
+            if key in out:
+                out[key] = float(out[key])
+        if "sigmas" in out:
+            out["sigmas"] = [float(v) for v in out["sigmas"]]
+    except ValueError as e:
+        raise UserError(f"--defaults {text!r}: {e}") from None
+    return out
+
+
+def defaults_for(kind: Kind, config: sched.UniPCConfig, base: Defaults, given: dict[str, Any]) -> Defaults:
+    """The bundle's run defaults: the checkpoint's (`base`) with what --defaults sets, checked as a run's settings
+    are (runtime/settings.py), so a bundle never defaults to settings it would refuse."""
+    d = dataclasses.replace(base, **{k: (tuple(v) if k == "sigmas" else v) for k, v in given.items()})
+    if "sigmas" in given and "steps" not in given:
+        d = dataclasses.replace(d, steps=len(d.sigmas))
+    if not 1 <= d.fps <= 240:
+        raise UserError(f"--defaults fps={d.fps} must be in 1..240")
+    try:
+        run_settings.resolve(dataclasses.replace(d, guidance_2=None), kind, config, guidance_2=d.guidance_2,
+                             sigmas=d.sigmas, steps=d.steps)
+    except UserError as e:
+        raise UserError(f"--defaults: {e}") from None
+    return d
 
 
 def conditioning_inputs(kind: Kind, geo: Geometry) -> dict[str, TensorSpec]:
@@ -413,7 +484,7 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
         inputs = {
             "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
             "kv": kv,
-            "timestep": TensorSpec((), "int32"),
+            "timestep": TensorSpec((), "float32"),
             "guidance": TensorSpec((), "float32"),
             "row": TensorSpec((sched.row_size(order),), "float32"),
             **extras,

@@ -38,7 +38,8 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     kv in the model dtype (layers, 2, 2B, heads, S, head_dim): the cross-attention keys and values of the prompt then
     the negative prompt (export/cross_kv.py, S = image tokens + `text_tokens`); a `variant.cfg` program uses
     all 2B, one without the first B (and ignores `guidance`);
-    timestep int32 scalar; guidance float32 scalar; row float32 coefficients;
+    timestep float32 scalar (what diffusers' scheduler gives the DiT: whole numbers for UniPC, sigma x 1000 for
+    Euler); guidance float32 scalar; row float32 coefficients;
     extras, named by kind.conditioning_inputs: condition float32 ((B, 4 + z, T, H, W) for "concat",
     (B, z, 1, H, W) for "first_frame"), mask float32 (1, 1, T, H, W) (1 where the latents are
     denoised, 0 where the image stands);
@@ -57,15 +58,15 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         b = x.shape[0]
         if kind.conditioning == "concat":  # as diffusers: cat([latents, condition], dim=1).to(dtype)
             model_x = jnp.concatenate([x, named["condition"]], axis=1)
-            t = jnp.full((copies * b,), timestep, jnp.int32)
+            t = jnp.full((copies * b,), timestep, jnp.float32)
         elif kind.conditioning == "first_frame":  # (1 - mask) * condition + mask * latents; t per token
             mask = named["mask"]
             model_x = (1.0 - mask) * named["condition"] + mask * x
-            tokens = (mask[0, 0][:, :: patch[0], :: patch[1]] * timestep.astype(jnp.float32)).reshape(-1)
+            tokens = (mask[0, 0][:, :: patch[0], :: patch[1]] * timestep).reshape(-1)
             t = jnp.broadcast_to(tokens, (copies * b, tokens.shape[0]))
         else:
             model_x = x
-            t = jnp.full((copies * b,), timestep, jnp.int32)
+            t = jnp.full((copies * b,), timestep, jnp.float32)
         model_in = jnp.concatenate([model_x] * copies).astype(dtype)
         n = copies * b
         kv = kv[:, :, :n]  # already in the model dtype (cross_kv's output)

@@ -16,7 +16,7 @@ from typing import Any
 from runtime import kinds
 from runtime.errors import UserError
 from runtime.kinds import Kind
-from runtime.scheduler import unsupported_reason
+from runtime.samplers import from_checkpoint
 
 from . import architectures, tiny
 
@@ -233,10 +233,13 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
     if pipeline not in PIPELINES:
         raise UserError(f"{where} is a {pipeline}, not one of the Wan pipelines wan-aot exports "
                         f"({', '.join(PIPELINES)})")
+    # Any scheduler's config reads this way (it is scheduler_config.json); samplers.from_checkpoint says whether its
+    # sampler is one the runtime's coefficient rows reproduce.
     sched = dict(UniPCMultistepScheduler.load_config(where, subfolder="scheduler", revision=revision))
-    reason = unsupported_reason(sched)
-    if reason:
-        raise UserError(f"{where}: {reason}")
+    try:
+        from_checkpoint(sched)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
 
     def present(component: str) -> bool:
         return (index.get(component) or [None])[0] is not None

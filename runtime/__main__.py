@@ -34,7 +34,13 @@ def _denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
     p.add_argument("--guidance-2", type=float, default=None,
                    help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
-    p.add_argument("--flow-shift", type=float, default=None, help="UniPC flow shift (default: the bundle's)")
+    p.add_argument("--flow-shift", type=float, default=None, help="flow shift (default: the bundle's)")
+    p.add_argument("--sampler", default=None, metavar="unipc|euler|dpm++",
+                   help="unipc (UniPCMultistepScheduler), euler (FlowMatchEulerDiscreteScheduler) or dpm++ "
+                        "(DPMSolverMultistepScheduler, 2M): any of them on the same programs (default: the bundle's)")
+    p.add_argument("--sigmas", default=None, metavar="S1,S2,...",
+                   help="custom noise levels, one per step, before the flow shift (e.g. lightx2v's 4 steps: "
+                        "1,0.75,0.5,0.25); they set --steps (default: the bundle's, with its default steps)")
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
@@ -213,6 +219,14 @@ def run(args: argparse.Namespace) -> int:
 
     primary = distributed.is_primary()
     magcache = magcache_from_args(args) if hasattr(args, "magcache") else None  # a bad file fails first
+    if hasattr(args, "sigmas"):  # bad sigmas or a bad sampler name fail before the bundle is loaded
+        from .samplers import check_sampler, check_sigmas, parse_sigmas
+
+        args.sigmas = parse_sigmas(args.sigmas)
+        if args.sigmas is not None:
+            check_sigmas(args.sigmas, args.steps)
+        if args.sampler is not None:
+            check_sampler(args.sampler)
     for out in (args.out, getattr(args, "frames_out", None)):
         if out is not None and primary:
             check_writable(out)
@@ -238,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
                                    seed=args.seed, steps=args.steps, guidance=args.guidance,
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
-                                   magcache=magcache, low_memory=True, **shape)  # one video per process
+                                   magcache=magcache, low_memory=True, sampler=args.sampler, sigmas=args.sigmas,
+                                   **shape)  # one video per process
         else:
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": latent_shapes})[0]["latents"]
             frames = pipe.decode(latents)
@@ -260,24 +275,27 @@ def run(args: argparse.Namespace) -> int:
                                                                   "last_image": args.last_image is not None})
             log.info("wrote %s", args.out)
     elif args.command == "denoise":
-        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2)
+        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2, args.sampler,
+                          args.sigmas)
         embeds, _ = im.load(args.embeds, im.EMBEDS, pipe.bundle_id,
                             {"prompt_embeds": g.embeds_shape, "negative_prompt_embeds": g.embeds_shape})
         init = None
         if args.latents is not None:
             init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": latent_shapes})[0]["latents"]
         latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress,
-                               guidance_2=s.guidance_2, magcache=magcache, **shape)
+                               guidance_2=s.guidance_2, magcache=magcache, sampler=s.sampler, sigmas=s.sigmas,
+                               **shape)
         if primary:
             meta = {**s.to_json(), **({"magcache": magcache.to_json()} if magcache else {})}
             im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, meta)
             log.info("wrote %s", args.out)
     elif args.command == "calibrate":
-        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2)
+        s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2, args.sampler,
+                          args.sigmas)
         embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
                              **shape)
         ratios = pipe.calibrate(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=progress,
-                                guidance_2=s.guidance_2, **shape)
+                                guidance_2=s.guidance_2, sampler=s.sampler, sigmas=s.sigmas, **shape)
         if primary:
             from .files import atomic_path
 

@@ -44,7 +44,9 @@ from .errors import BundleError
 #      "<program>@<W>x<H>" (the VAE's), see Manifest.program_for.
 #   8: quantized weights: Manifest.quantize (the --quantize mode or null) and WeightFile.quantized (each quantized
 #      tensor -> its mode; its scale is the tensor "<name>_scale", export/quantize.py).
-SCHEMA_VERSION = 8
+#   9: samplers (runtime/samplers.py): the denoise programs take the timestep as float32 (Euler's are fractional;
+#      older programs take int32), and Defaults has the run's sampler, custom sigmas and second guidance.
+SCHEMA_VERSION = 9
 MANIFEST_FILE = "manifest.json"
 SCALE_SUFFIX = "_scale"  # a quantized tensor's per-row scale is the tensor "<name>_scale" (export/quantize.py)
 
@@ -109,8 +111,18 @@ def _from_v7(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _from_v8(d: dict[str, Any]) -> dict[str, Any]:
+    """v8 bundles run UniPC by default, on its own schedule, the second expert at the first's guidance; their
+    programs take the timestep as int32 (the manifest's input specs say so, and the runtime casts)."""
+    d = copy.deepcopy(d)
+    d["defaults"].update(sampler="unipc", sigmas=None, guidance_2=None)
+    d["schema_version"] = 9
+    return d
+
+
 # version -> function taking that version's JSON to the next version's
-MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6, 7: _from_v7}
+MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6, 7: _from_v7,
+              8: _from_v8}
 
 
 @dataclass(frozen=True)
@@ -274,10 +286,15 @@ def shape_suffix(scope: str, g: Geometry, default: Geometry) -> str:
 
 @dataclass(frozen=True)
 class Defaults:
+    """What a run uses where it says nothing: from the checkpoint, or set at export (`--defaults`)."""
+
     steps: int
     guidance: float
     flow_shift: float
     fps: int = 16
+    sampler: str = "unipc"  # runtime/samplers.py SAMPLERS
+    sigmas: tuple[float, ...] | None = None  # custom sigmas (one per step, before the shift), with `steps` of them
+    guidance_2: float | None = None  # the second expert's guidance (None: `guidance`, as diffusers)
 
 
 @dataclass(frozen=True)

@@ -168,9 +168,13 @@ class Pipeline:
 
     # -- denoise ------------------------------------------------------------
     def settings(self, seed: int = 0, steps: int | None = None, guidance: float | None = None,
-                 flow_shift: float | None = None, guidance_2: float | None = None) -> DenoiseSettings:
+                 flow_shift: float | None = None, guidance_2: float | None = None, sampler: str | None = None,
+                 sigmas: Sequence[float] | None = None) -> DenoiseSettings:
+        """The settings of a run, the bundle's defaults (`manifest.defaults`) filling what is None; UserError for
+        a bad value. `sampler`: "unipc", "euler" or "dpm++" (runtime/samplers.py); `sigmas`: custom noise levels,
+        one per step, before the flow shift (they set the step count)."""
         return st.resolve(self.manifest.defaults, self.kind, self.scheduler_config, seed, steps, guidance,
-                          flow_shift, guidance_2)
+                          flow_shift, guidance_2, sampler, sigmas)
 
     def initial_latents(self, seed: int, shape: mf.Geometry | None = None) -> np.ndarray:
         """float32 N(0, 1) noise from jax.random (torch's generator is not reproduced), of the latents of `shape`
@@ -178,9 +182,21 @@ class Pipeline:
         key = jax.random.key(seed)
         return np.asarray(jax.random.normal(key, (shape or self.geometry).latent_shape, jnp.float32))
 
-    def expert_of(self, timestep: int) -> int:
+    def expert_of(self, timestep: float) -> int:
         """0 (`transformer`, high noise) where t >= boundary_ratio x num_train_timesteps, else 1 (`transformer_2`)."""
         return st.expert_of(timestep, self.kind, self.manifest.boundary_ratio, self.scheduler_config)
+
+    def _timestep_cast(self, program: str, s: DenoiseSettings) -> Callable[[float], np.generic]:
+        """The timestep as program `program` takes it: float32 (bundles of schema 9 on), or int32 in older bundles,
+        whose programs cannot take Euler's fractional timesteps (UserError, before any work)."""
+        if self.manifest.programs[program].inputs["timestep"].dtype == "float32":
+            return np.float32
+        plan = s.plan(self.scheduler_config)
+        if not np.array_equal(plan.timesteps, np.round(plan.timesteps)):
+            raise UserError(f"this bundle's programs take whole-number timesteps (it was exported by an older "
+                            f"wan-aot), and the {s.sampler} sampler's are fractional: re-export the bundle, or use "
+                            "sampler unipc or dpm++")
+        return np.int32
 
     def precomputes_kv(self) -> bool:
         """Whether this bundle's steps take cross-attention keys and values from its cross_kv programs (every
@@ -248,7 +264,7 @@ class Pipeline:
         step's guidance is <= 1 (the uncond half would be computed for nothing), else the CFG step. Bundles
         exported before the variants existed have only the CFG step: it serves every step but MagCache. The
         programs are `shape`'s (the default shape's if None)."""
-        experts = [self.expert_of(int(t)) for t in timesteps[:steps]]
+        experts = [self.expert_of(float(t)) for t in timesteps[:steps]]
         have = self.manifest.programs
         g = shape or self.geometry
         at = self._at
@@ -268,7 +284,8 @@ class Pipeline:
                 guidance: float | None = None, flow_shift: float | None = None,
                 latents: np.ndarray | None = None, progress: bool = True,
                 on_step: Callable[[int], None] | None = None, guidance_2: float | None = None,
-                magcache: MagCache | None = None, size: Size = None, frames: int | None = None) -> np.ndarray:
+                magcache: MagCache | None = None, size: Size = None, frames: int | None = None,
+                sampler: str | None = None, sigmas: Sequence[float] | None = None) -> np.ndarray:
         """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s).
 
         The shape is that of `latents` if given; else `size` x `frames`; else, with image conditioning in `embeds`,
@@ -278,31 +295,33 @@ class Pipeline:
         models). Two-expert models switch from `transformer` (with `guidance`) to `transformer_2` (with
         `guidance_2`, default `guidance`) below the boundary timestep, as diffusers does. Steps whose
         guidance is <= 1 run the DiT on the prompt alone. `magcache` skips the transformer blocks on the
-        steps its schedule says (runtime/magcache.py).
+        steps its schedule says (runtime/magcache.py). `sampler` and `sigmas`: see `settings`.
         `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
         """
         return self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, on_step, guidance_2,
-                             magcache, size=size, frames=frames)
+                             magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas)
 
     def calibrate(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, flow_shift: float | None = None, latents: np.ndarray | None = None,
                   progress: bool = True, guidance_2: float | None = None, size: Size = None,
-                  frames: int | None = None) -> list[float]:
+                  frames: int | None = None, sampler: str | None = None,
+                  sigmas: Sequence[float] | None = None) -> list[float]:
         """MagCache's ratios for this bundle and these settings, as diffusers' calibration mode computes them:
         every step runs in full; step i's ratio is the mean over tokens of |residual_i| / |residual_i-1| on the
         prompt (cond) half, 1.0 on each expert's first step."""
         ratios: list[float] = []
         everything = MagCache([1.0], threshold=0.0, max_skip_steps=0, retention_ratio=1.0)  # never skips
         self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, None, guidance_2, everything,
-                      calibration=ratios, size=size, frames=frames)
+                      calibration=ratios, size=size, frames=frames, sampler=sampler, sigmas=sigmas)
         return ratios
 
     def _denoise(self, embeds: dict[str, np.ndarray], seed: int, steps: int | None, guidance: float | None,
                  flow_shift: float | None, latents: np.ndarray | None, progress: bool,
                  on_step: Callable[[int], None] | None, guidance_2: float | None, magcache: MagCache | None,
                  calibration: list[float] | None = None, size: Size = None, frames: int | None = None,
-                 stop_after: int | None = None) -> np.ndarray:
-        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
+                 stop_after: int | None = None, sampler: str | None = None,
+                 sigmas: Sequence[float] | None = None) -> np.ndarray:
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         if magcache is not None and not isinstance(magcache, MagCache):
             raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
         g = self.denoise_shape(embeds, latents, size, frames)
@@ -319,8 +338,9 @@ class Pipeline:
         if not np.isfinite(latents).all():
             raise UserError("initial latents contain NaN or inf")
 
-        plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
+        plan = s.plan(self.scheduler_config)
         programs = self.step_programs(s.steps, plan.timesteps, s, magcache, g)
+        timestep_of = self._timestep_cast(programs[0], s)
         order = self.scheduler_config.solver_order
         state = np.zeros((scheduler.state_rows(order), *g.latent_shape), np.float32)
         state[0] = latents
@@ -342,7 +362,7 @@ class Pipeline:
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress or not is_primary()):
             name = programs[i]
             variant = kinds.denoise_variant(name)
-            e = self.expert_of(int(plan.timesteps[i]))
+            e = self.expert_of(float(plan.timesteps[i]))
             text = ("kv", e) if with_kv else variant.cfg
             if text not in contexts_dev:
                 if with_kv:  # once per prompt and expert: every step's cross-attention keys and values
@@ -352,7 +372,7 @@ class Pipeline:
                 else:
                     contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
             values = {"state": state_dev, "kv": contexts_dev[text], "context": contexts_dev[text],
-                      "timestep": plan.timesteps[i], "guidance": guidances[e], "row": plan.coeffs[i], **extras_dev,
+                      "timestep": timestep_of(plan.timesteps[i]), "guidance": guidances[e], "row": plan.coeffs[i], **extras_dev,
                       "residual": residual}
             outs = self.bundle.call(name)(*[values[n] for n in self._inputs(name)])
             state_dev, finite = outs[0], outs[1]
@@ -375,16 +395,17 @@ class Pipeline:
     def first_velocity(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                        guidance: float | None = None, flow_shift: float | None = None,
                        latents: np.ndarray | None = None, guidance_2: float | None = None, size: Size = None,
-                       frames: int | None = None) -> np.ndarray:
+                       frames: int | None = None, sampler: str | None = None,
+                       sigmas: Sequence[float] | None = None) -> np.ndarray:
         """The guided velocity the DiT predicts at the first of `steps` steps (B, z, T, H/s, W/s), from the one step
         that runs: the scheduler keeps the converted model output m_0 = x_0 - sigma_0 v_0 (runtime/scheduler.py).
         What tools/quality.py compares between two bundles."""
-        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         g = self.denoise_shape(embeds, latents, size, frames)
         x0 = np.asarray(self.initial_latents(s.seed, g) if latents is None else latents, np.float32)
         state = self._denoise(embeds, seed, steps, guidance, flow_shift, x0, False, None, guidance_2, None,
-                              size=size, frames=frames, stop_after=1)
-        sigma0 = float(scheduler.plan(s.steps, s.flow_shift, self.scheduler_config).coeffs[0][0])
+                              size=size, frames=frames, stop_after=1, sampler=sampler, sigmas=sigmas)
+        sigma0 = float(s.plan(self.scheduler_config).coeffs[0][0])
         return (x0 - state[2]) / sigma0
 
     def denoise_shape(self, embeds: dict[str, np.ndarray], latents: np.ndarray | None, size: Size = None,
@@ -441,7 +462,8 @@ class Pipeline:
     def start_loading(self, image: bool = False, seed: int = 0, steps: int | None = None,
                       guidance: float | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
                       magcache: MagCache | None = None, prompt: str | Sequence[str] | None = None,
-                      negative_prompt: str | Sequence[str] = "", size: Size = None, frames: int | None = None) -> None:
+                      negative_prompt: str | Sequence[str] = "", size: Size = None, frames: int | None = None,
+                      sampler: str | None = None, sigmas: Sequence[float] | None = None) -> None:
         """Start loading, in the background, the stages a run with these settings uses before its first step
         (the denoise programs it runs, the image encoders only with an `image`), so that the DiT's weights are
         read while the prompt is encoded; what `generate` does first. With the `prompt` (and `negative_prompt`),
@@ -449,14 +471,15 @@ class Pipeline:
         loads when it is needed: in the background it would compete with the denoising steps for the cores
         (measured: step 1 done 4 s later on 2 cores). The programs are those of shape `size` x `frames`. Raises
         UserError for bad settings, before any work starts."""
-        s = self.settings(seed, steps, guidance, flow_shift, guidance_2)
+        s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         g = self.shape(size, frames)
-        plan = scheduler.plan(s.steps, s.flow_shift, self.scheduler_config)
+        plan = s.plan(self.scheduler_config)
         denoising = self.step_programs(s.steps, plan.timesteps, s, magcache, g)
+        self._timestep_cast(denoising[0], s)  # a sampler the bundle's programs cannot run fails before any work
         rows = None
         if prompt is not None and self.precomputes_kv():
             rows = self._short_rows(self._tokens(prompt, negative_prompt), denoising)
-        experts = {self.expert_of(int(t)) for t in plan.timesteps[: s.steps]}
+        experts = {self.expert_of(float(t)) for t in plan.timesteps[: s.steps]}
         stage = kinds.pipeline_stage
         self.bundle.prefetch([n for n in self.manifest.programs if stage(n) != "decode"
                               and not kinds.is_text_encoder(n)  # encode loads the one its prompts need, at once
@@ -473,23 +496,25 @@ class Pipeline:
                  steps: int | None = None, guidance: float | None = None, guidance_2: float | None = None,
                  flow_shift: float | None = None, latents: np.ndarray | None = None,
                  progress: bool = True, magcache: MagCache | None = None, low_memory: bool = False,
-                 size: Size = None, frames: int | None = None) -> np.ndarray:
+                 size: Size = None, frames: int | None = None, sampler: str | None = None,
+                 sigmas: Sequence[float] | None = None) -> np.ndarray:
         """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick one of the
         bundle's shapes (`shapes`; the default one where None); `latents` is the initial noise, as diffusers'
-        `latents` argument: (B, z, T, H/s, W/s), and picks the shape itself. `magcache`: see `denoise`.
+        `latents` argument: (B, z, T, H/s, W/s), and picks the shape itself. `magcache`: see `denoise`. `sampler`
+        ("unipc", "euler", "dpm++") and `sigmas` (custom noise levels, one per step): see `settings`.
         `low_memory`: drop each stage's weights once the run is past it (`unload_before`), as a process making one
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
         again."""
         g = self.denoise_shape({}, latents, size, frames)
         size, frames = g.size, g.frames
         self.start_loading(image is not None, seed, steps, guidance, flow_shift, guidance_2, magcache, prompt,
-                           negative_prompt, size, frames)
+                           negative_prompt, size, frames, sampler, sigmas)
         try:
             embeds = self.encode(prompt, negative_prompt, image, last_image, size, frames)
             if low_memory:
                 self.unload_before("denoise")
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
-                               magcache=magcache, size=size, frames=frames)
+                               magcache=magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas)
             if low_memory:
                 self.unload_before("decode")
             return self.decode(out)

@@ -100,17 +100,19 @@ def state_rows(order: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything the denoise loop needs: int timesteps and one coefficient row per step."""
+    """Everything the denoise loop needs: the timesteps and one coefficient row per step."""
 
-    timesteps: np.ndarray  # (N,) int32, what the transformer sees
+    timesteps: np.ndarray  # (N,) float32, what the transformer sees (whole numbers for UniPC)
     sigmas: np.ndarray  # (N + 1,) float32, as diffusers stores them
     coeffs: np.ndarray  # (N, row_size) float32
 
 
-def sigmas_for(steps: int, shift: float, cfg: UniPCConfig) -> tuple[np.ndarray, np.ndarray]:
-    """diffusers' flow-sigma schedule: (timesteps int64, sigmas float32 with the final sigma)."""
+def sigmas_for(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """diffusers' flow-sigma schedule: (timesteps int64, sigmas float32 with the final sigma). `sigmas`: custom
+    ones, one per step, before the shift (set_timesteps(sigmas=...))."""
     n = cfg.num_train_timesteps
-    s = np.linspace(1, 1 / n, steps + 1)[:-1]
+    s = np.linspace(1, 1 / n, steps + 1)[:-1] if sigmas is None else np.array(sigmas, np.float64)
     s = shift * s / (1 + (shift - 1) * s)
     if abs(s[0] - 1) < 1e-6:
         s[0] -= 1e-6
@@ -146,15 +148,15 @@ def _bh_terms(h: float, order: int, solver_type: str, rks: list[float]) -> tuple
 
 
 @functools.lru_cache(maxsize=16)
-def plan(steps: int, shift: float, cfg: UniPCConfig) -> Plan:
-    """Coefficient rows for `steps` denoising steps at flow shift `shift` (memoized: settings checks and the
-    loop ask for the same plan; its arrays are read-only)."""
+def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] | None = None) -> Plan:
+    """Coefficient rows for `steps` denoising steps at flow shift `shift` (custom `sigmas`: one per step, before the
+    shift), memoized: settings checks and the loop ask for the same plan; its arrays are read-only."""
     if steps < 1:
         raise ValueError("steps must be >= 1")
     if not shift > 0:
         raise ValueError("flow shift must be > 0")
     K = cfg.solver_order
-    timesteps, sigmas32 = sigmas_for(steps, shift, cfg)
+    timesteps, sigmas32 = sigmas_for(steps, shift, cfg, sigmas)
     sig = sigmas32.astype(np.float64)  # diffusers computes from the float32 sigmas
     lam = [_lambda(s) for s in sig]
     rows = np.zeros((steps, row_size(K)), dtype=np.float64)
@@ -196,7 +198,7 @@ def plan(steps: int, shift: float, cfg: UniPCConfig) -> Plan:
                 w = -alpha_t * b_h * rhos_p[k - 1] / rk
                 p[1 + k] += w
                 p[1] -= w
-    out = Plan(timesteps=timesteps.astype(np.int32), sigmas=sigmas32, coeffs=rows.astype(np.float32))
+    out = Plan(timesteps=timesteps.astype(np.float32), sigmas=sigmas32, coeffs=rows.astype(np.float32))
     for a in (out.timesteps, out.sigmas, out.coeffs):
         a.setflags(write=False)
     return out
@@ -212,18 +214,3 @@ def apply_row(state: np.ndarray, v: np.ndarray, row: np.ndarray, order: int) -> 
     xc = c[0] * x + c[1] * xprev + c[2] * m_i + sum(c[3 + j] * hist[j] for j in range(K))
     x_next = p[0] * xc + p[1] * m_i + sum(p[2 + j] * hist[j] for j in range(K - 1))
     return np.stack([x_next, xc, m_i, *hist[:K - 1]])
-
-
-def check_plan(steps: int, shift: float, cfg: UniPCConfig) -> None:
-    """Refuse a flow shift whose schedule is unusable (sigmas that round to 0 or 1, NaN coefficients)
-    before anything runs, naming the flow shift rather than failing later in the weights."""
-    from .errors import UserError
-
-    with np.errstate(all="ignore"):
-        timesteps, sigmas = sigmas_for(steps, shift, cfg)
-        ok = bool(np.all((sigmas[:-1] > 0) & (sigmas[:-1] < 1)) and np.all(np.diff(sigmas) <= 0))
-        coeffs = plan(steps, shift, cfg).coeffs if ok else None
-    if not ok or coeffs is None or not np.isfinite(coeffs).all():
-        raise UserError(f"flow shift {shift:g} gives an unusable {steps}-step schedule (noise levels "
-                        f"{sigmas[0]:.3g} .. {sigmas[-2]:.3g} must lie strictly between 0 and 1): use a flow shift "
-                        f"of about 1 to 20 (this bundle's default is {cfg.flow_shift:g})")

@@ -19,7 +19,7 @@ from .conftest import KIND_CASES
 
 def _sample(rng: np.random.Generator, name: str, spec) -> np.ndarray:  # noqa: ANN001
     if name == "timestep":
-        return np.asarray(700, np.int32)
+        return np.asarray(700, spec.dtype)  # float32 since schema 9 (int32 before)
     if name == "guidance":
         return np.asarray(4.5, np.float32)
     if name == "mask":  # "first_frame": frame 0 is the image

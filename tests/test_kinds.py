@@ -71,7 +71,7 @@ def test_matches_diffusers(kind: str, mode: str, kind_bundles, kind_checkpoints)
     guidance_2 = 3.0 if pipe.kind.experts == 2 else None
     if guidance_2 is not None:  # the boundary falls inside the schedule: both experts run
         plan = scheduler.plan(STEPS, pipe.manifest.defaults.flow_shift, pipe.scheduler_config)
-        assert {pipe.expert_of(int(t)) for t in plan.timesteps} == {0, 1}
+        assert {pipe.expert_of(float(t)) for t in plan.timesteps} == {0, 1}
     images = _images(kind, mode)
     init = pipe.initial_latents(11)
     frames = pipe.generate(PROMPT, NEGATIVE, seed=11, steps=STEPS, guidance=5.0, guidance_2=guidance_2,
@@ -81,6 +81,56 @@ def test_matches_diffusers(kind: str, mode: str, kind_bundles, kind_checkpoints)
     assert frames.shape == ref.shape == (1, g.frames, g.height, g.width, 3)
     assert np.abs(frames - ref).max() <= FP32_TOL
     assert frames.std() > 1e-3  # not trivially equal (e.g. all clamped)
+
+
+def test_two_experts_switch_at_the_boundary_with_euler_as_diffusers(kind_bundles, kind_checkpoints) -> None:
+    """Euler's fractional timesteps decide the expert as diffusers' `t >= boundary_ratio x 1000` does."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = runtime.load(kind_bundles["t2v-moe"])
+    plan = pipe.settings(steps=STEPS, flow_shift=5.0, sampler="euler").plan(pipe.scheduler_config)
+    assert {pipe.expert_of(float(t)) for t in plan.timesteps} == {0, 1}
+    init = pipe.initial_latents(8)
+    frames = pipe.generate(PROMPT, NEGATIVE, seed=8, steps=STEPS, guidance=5.0, guidance_2=3.0, flow_shift=5.0,
+                           sampler="euler", progress=False)
+    ref = _reference("t2v-moe", kind_checkpoints["t2v-moe"], "text")
+    ref.scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    assert np.abs(frames - _diffusers_frames(ref, pipe, {}, init, 3.0)).max() <= FP32_TOL
+
+
+def test_a_lora_per_expert_merged_at_export_as_wan22_lightning(kind_checkpoints, tmp_path: Path) -> None:
+    """Wan2.2-Lightning's pair, ComfyUI-named: the high-noise LoRA merged into `transformer` (--merge-lora), the
+    low-noise one into `transformer_2` (--merge-lora-2), with a 4-step CFG-free Euler default; the bundle run with no
+    settings matches diffusers with load_lora_weights(high) and load_lora_weights(low, load_into_transformer_2=True)
+    across the expert boundary."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from .test_lora import wan_format_lora
+
+    variant, res, frames, max_len = KIND_CASES["t2v-moe"]
+    ckpt = kind_checkpoints["t2v-moe"]
+    high, low = (wan_format_lora(ckpt, tmp_path / name, seed) for name, seed in (("high", 1), ("low", 2)))
+    out = tmp_path / "lightning"
+    run_module("export", "--model", str(ckpt), "--resolution", res, "--frames", str(frames), "--dtype", "fp32",
+               "--max-sequence-length", str(max_len), "--merge-lora", str(high), "--merge-lora-2", str(low),
+               "--defaults", "steps=4,guidance=1,guidance_2=1,sampler=euler,flow_shift=5", "--out", str(out), "-q")
+    pipe = runtime.load(out)
+    assert [m["into"] for m in pipe.manifest.source["merged_loras"]] == ["transformer", "transformer_2"]
+    init = pipe.initial_latents(0)
+    ours = pipe.generate(PROMPT, NEGATIVE, progress=False)
+    ref = _reference("t2v-moe", ckpt, "text")
+    ref.scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    ref.load_lora_weights(str(high), adapter_name="high")
+    ref.load_lora_weights(str(low), adapter_name="low", load_into_transformer_2=True)
+    g = pipe.geometry
+    import torch
+
+    with torch.no_grad():
+        want = ref(prompt=PROMPT, negative_prompt=NEGATIVE, height=g.height, width=g.width, num_frames=g.frames,
+                   num_inference_steps=4, guidance_scale=1.0, guidance_scale_2=1.0,
+                   max_sequence_length=g.max_sequence_length, latents=torch.from_numpy(init.copy()),
+                   output_type="np").frames
+    assert np.abs(ours - want).max() <= FP32_TOL
 
 
 def test_image_changes_the_video_and_ti2v_keeps_the_first_frame(kind_bundles) -> None:

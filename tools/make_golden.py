@@ -36,8 +36,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="default: artifacts/golden/schema-<N>")
     p.add_argument("--quantize", default=None, help="export with --quantize MODE (schema 8's golden is int8)")
+    p.add_argument("--defaults", default=None, help="export with --defaults KEY=VALUE,... (schema 9's golden samples "
+                                                    "with euler at flow shift 5 by default)")
     args = p.parse_args()
-    export_args = EXPORT_ARGS + (["--quantize", args.quantize] if args.quantize else [])
+    export_args = EXPORT_ARGS + (["--quantize", args.quantize] if args.quantize else []) \
+        + (["--defaults", args.defaults] if args.defaults else [])
 
     import runtime
     from runtime import manifest as mf

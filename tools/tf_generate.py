@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime import conditioning, images, kinds, scheduler  # noqa: E402  (numpy-only; jax loads lazily)
+from runtime import conditioning, images, kinds, samplers, scheduler  # noqa: E402  (numpy-only; jax loads lazily)
 from runtime import intermediates as im  # noqa: E402
 from runtime import settings as st  # noqa: E402
 from runtime.errors import UserError  # noqa: E402
@@ -121,13 +121,13 @@ class SavedModelPipeline:
                 progress: bool) -> np.ndarray:
         from tqdm.auto import tqdm
 
-        plan = scheduler.plan(s.steps, s.flow_shift, self.config)
+        plan = s.plan(self.config)
         state = np.zeros((scheduler.state_rows(self.config.solver_order), *latents.shape), np.float32)
         state[0] = latents
         kv: dict[int, np.ndarray] = {}  # per expert, computed once (SavedModels of older bundles take context)
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress):
-            t = int(plan.timesteps[i])
-            e = st.expert_of(t, self.kind, self.info["boundary_ratio"], self.config)
+            t = plan.timesteps[i]  # cast by `run` to the signature's dtype (int32 in SavedModels of older bundles)
+            e = st.expert_of(float(t), self.kind, self.info["boundary_ratio"], self.config)
             if e not in kv and kinds.cross_kv_program(e) in self.info["signatures"]:
                 kv[e] = self.run(kinds.cross_kv_program(e), context=context, **extras)["kv"]
             out = self.run(kinds.denoise_program(e), state=state, context=context, kv=kv.get(e), timestep=t,
@@ -163,7 +163,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
     p.add_argument("--guidance-2", type=float, default=None,
                    help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
-    p.add_argument("--flow-shift", type=float, default=None, help="UniPC flow shift (default: the bundle's)")
+    p.add_argument("--flow-shift", type=float, default=None, help="flow shift (default: the bundle's)")
+    p.add_argument("--sampler", default=None, help="unipc, euler or dpm++ (default: the bundle's)")
+    p.add_argument("--sigmas", default=None, help="custom sigmas, one per step (e.g. 1,0.75,0.5,0.25)")
     p.add_argument("--latents", type=Path, default=None, help="initial latents (key `latents`) instead of noise")
     p.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
     p.add_argument("--out", type=Path, required=True, help="video path: .mp4, .mkv, .mov or .gif")
@@ -184,7 +186,7 @@ def generate(args: argparse.Namespace) -> list[Path]:
     last = None if args.last_image is None else images.load_image(args.last_image, "--last-image")
     kinds.check_images(pipe.kind, first, last)
     s = st.resolve(pipe.defaults, pipe.kind, pipe.config, args.seed, args.steps, args.guidance, args.flow_shift,
-                   args.guidance_2)
+                   args.guidance_2, args.sampler, samplers.parse_sigmas(args.sigmas))
     init = None
     if args.latents is not None:
         init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": pipe.geometry.latent_shape})[0]["latents"]

@@ -1,0 +1,238 @@
+"""The samplers a run may choose, each as coefficient rows over the one step program's state.
+
+UniPC (runtime/scheduler.py), flow-matching Euler and DPM-Solver++ are all linear in the sample x_i and the
+converted model outputs m_j = x_j - sigma_j v_j of the current and earlier steps, with coefficients that depend
+only on the schedule. So every sampler is the same exported step program fed other rows (row layout in
+runtime/scheduler.py): a sampler is a run-time choice, like the steps, the flow shift and the guidance, and needs
+no program of its own. Euler and DPM-Solver++ have no corrector (the row's corrector part is the identity,
+xc_i = x_i) and write their whole update into the predictor part.
+
+    name    diffusers scheduler, as the Wan pipelines configure it          timesteps the DiT sees
+    unipc   UniPCMultistepScheduler (flow_prediction, bh2, order 2)         int(sigma x 1000)
+    euler   FlowMatchEulerDiscreteScheduler (shift)                         sigma x 1000, a float
+    dpm++   DPMSolverMultistepScheduler (flow_prediction, use_flow_sigmas,  int(sigma x 1000)
+            dpmsolver++, order 2, midpoint)
+
+Custom sigmas are one per step, before the flow shift, as `set_timesteps(sigmas=...)` takes them (lightx2v's
+4-step `denoising_step_list` [1000, 750, 500, 250] is sigmas 1, 0.75, 0.5, 0.25); each sampler shifts them as its
+diffusers scheduler does. diffusers' DPMSolverMultistepScheduler takes no custom sigmas; here dpm++ shifts them
+as its flow sigmas are shifted.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import scheduler
+from .errors import UserError
+from .scheduler import Plan, UniPCConfig
+
+SAMPLERS = ("unipc", "euler", "dpm++")
+# diffusers' scheduler class of each sampler: what a checkpoint's scheduler config names (export/source.py)
+SCHEDULER_CLASSES = {"UniPCMultistepScheduler": "unipc", "FlowMatchEulerDiscreteScheduler": "euler",
+                     "DPMSolverMultistepScheduler": "dpm++"}
+DPM_ORDER = 2  # dpm++ is DPM-Solver++(2M), what Wan's own repository and WanPipeline run
+
+Sigmas = tuple[float, ...] | None
+
+
+def check_sampler(name: object) -> str:
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise UserError(f"sampler {name!r} is not one of {', '.join(SAMPLERS)}")
+    return name
+
+
+def check_sigmas(sigmas: object, steps: int | None = None) -> tuple[float, ...]:
+    """Custom sigmas as a tuple of floats: strictly decreasing in (0, 1], one per step (`steps`, when given)."""
+    if isinstance(sigmas, str) or not isinstance(sigmas, Sequence | np.ndarray):
+        raise UserError(f"sigmas must be a list of numbers (one per step, e.g. 1,0.75,0.5,0.25), got {sigmas!r}")
+    values = []
+    for s in sigmas:
+        if isinstance(s, bool) or not isinstance(s, int | float | np.floating | np.integer) or not math.isfinite(s):
+            raise UserError(f"sigmas must be numbers, got {s!r}")
+        values.append(float(s))
+    if not values:
+        raise UserError("sigmas is empty: give one per step (e.g. 1,0.75,0.5,0.25)")
+    if not all(0 < s <= 1 for s in values) or any(b >= a for a, b in zip(values, values[1:])):
+        raise UserError(f"sigmas must be strictly decreasing and in (0, 1] (noise levels before the flow shift, "
+                        f"one per step), got {', '.join(f'{s:g}' for s in values)}")
+    if steps is not None and len(values) != steps:
+        raise UserError(f"{len(values)} sigmas for {steps} steps: give one sigma per step (or leave steps out)")
+    return tuple(values)
+
+
+def parse_sigmas(text: str | None) -> tuple[float, ...] | None:
+    """'1,0.75,0.5,0.25' (a command line's --sigmas) -> the checked sigmas; None for None."""
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise UserError(f"sigmas {text!r} is not a comma-separated list of numbers (e.g. 1,0.75,0.5,0.25)") from None
+    return check_sigmas(values)
+
+
+def plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas = None) -> Plan:
+    """Timesteps, sigmas and one coefficient row per step of `sampler` (rows in the layout of `config`'s state
+    order). Memoized, read-only arrays; ValueError for a bad argument (settings.resolve checks them first)."""
+    sigmas = None if sigmas is None else tuple(float(s) for s in sigmas)
+    return _plan(sampler, steps, float(shift), config, sigmas)
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas) -> Plan:
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}")
+    if steps < 1 or (sigmas is not None and len(sigmas) != steps):
+        raise ValueError("steps must be >= 1, and one sigma per step")
+    if not shift > 0:
+        raise ValueError("flow shift must be > 0")
+    if sampler == "unipc":
+        return scheduler.plan(steps, shift, config, sigmas)
+    if sampler == "euler":
+        timesteps, sig = euler_sigmas(steps, shift, config.num_train_timesteps, sigmas)
+        rows = np.zeros((steps, scheduler.row_size(config.solver_order)), np.float64)
+        s = sig.astype(np.float64)
+        for i, row in enumerate(rows):
+            # x_{i+1} = x_i + (s_{i+1} - s_i) v_i = (s_{i+1}/s_i) x_i + (1 - s_{i+1}/s_i) m_i
+            _identity_corrector(row, config.solver_order)
+            ratio = s[i + 1] / s[i]
+            _predictor(row, config.solver_order)[:2] = (ratio, 1.0 - ratio)
+            row[0] = s[i]
+    else:
+        timesteps, sig = dpm_sigmas(steps, shift, config.num_train_timesteps, sigmas)
+        rows = dpm_rows(sig, config.solver_order)
+    return _frozen(Plan(timesteps=timesteps.astype(np.float32), sigmas=sig, coeffs=rows.astype(np.float32)))
+
+
+def euler_sigmas(steps: int, shift: float, num_train_timesteps: int, sigmas: Sigmas) -> tuple[np.ndarray, np.ndarray]:
+    """FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps[, sigmas=...]): float timesteps
+    (sigma x 1000, float32) and float32 sigmas ending in 0. Without sigmas, timesteps are spaced evenly from
+    1000 to the scheduler's own smallest shifted training sigma x 1000 (computed in float32, as torch does)."""
+    n = num_train_timesteps
+    if sigmas is None:
+        f32 = np.float32
+        train = np.linspace(1, n, n, dtype=np.float32)[::-1] / f32(n)  # the scheduler's __init__, in float32
+        shifted = f32(shift) * train / (f32(1) + f32(shift - 1) * train)
+        sigma_max, sigma_min = float(shifted[0]), float(shifted[-1])
+        s = np.linspace(sigma_max * n, sigma_min * n, steps) / n
+    else:
+        s = np.asarray(sigmas, np.float32)
+    s = (shift * s / (1 + (shift - 1) * s)).astype(np.float32)
+    timesteps = s * np.float32(n)
+    return timesteps, np.concatenate([s, [0.0]]).astype(np.float32)
+
+
+def dpm_sigmas(steps: int, shift: float, num_train_timesteps: int, sigmas: Sigmas) -> tuple[np.ndarray, np.ndarray]:
+    """DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=shift).set_timesteps(steps): int timesteps
+    (truncated sigma x 1000) and float32 sigmas ending in 0 (final_sigmas_type "zero"). Its flow sigmas are
+    1 - linspace(1, 1/1000, steps + 1), shifted, reversed, the last (0) dropped: they start below 1."""
+    n = num_train_timesteps
+    if sigmas is None:
+        s = 1.0 - np.linspace(1, 1 / n, steps + 1)
+        s = np.flip(shift * s / (1 + (shift - 1) * s))[:-1].copy()
+    else:
+        s = np.asarray(sigmas, np.float64)
+        s = shift * s / (1 + (shift - 1) * s)
+    timesteps = (s * n).astype(np.int64)
+    return timesteps, np.concatenate([s, [0.0]]).astype(np.float32)
+
+
+def dpm_rows(sigmas32: np.ndarray, order: int) -> np.ndarray:
+    """DPM-Solver++ (flow, data prediction, midpoint) rows: first order on the first step and on the last
+    (final sigma zero), second order (multistep, from m_i and m_{i-1}) between; computed from the float32 sigmas as
+    diffusers computes them."""
+    if order < 2:
+        raise UserError("this bundle's step programs keep no earlier model output (its UniPC solver_order is 1), "
+                        "which dpm++ (second order) needs: use sampler unipc or euler")
+    s = sigmas32.astype(np.float64)
+    steps = len(s) - 1
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lam = np.log(1.0 - s) - np.log(s)  # +inf at sigma 0, -inf at sigma 1
+        rows = np.zeros((steps, scheduler.row_size(order)), np.float64)
+        for i, row in enumerate(rows):
+            row[0] = s[i]
+            _identity_corrector(row, order)
+            p = _predictor(row, order)
+            alpha_t = 1.0 - s[i + 1]
+            h = lam[i + 1] - lam[i]
+            e = np.expm1(-h)  # exp(-h) - 1
+            p[0] = s[i + 1] / s[i]  # sigma_t / sigma_s0
+            p[1] = -alpha_t * e  # D0 = m_i
+            if i > 0 and i < steps - 1 and DPM_ORDER == 2:
+                r0 = (lam[i] - lam[i - 1]) / h
+                if math.isfinite(r0) and r0 != 0:  # an infinite h_0 (a first sigma of 1) makes D1 vanish
+                    d1 = -0.5 * alpha_t * e / r0  # D1 = (m_i - m_{i-1}) / r0
+                    p[1] += d1
+                    p[2] -= d1
+    return rows
+
+
+def _identity_corrector(row: np.ndarray, order: int) -> None:
+    row[1:1 + order + 3] = 0.0
+    row[1] = 1.0  # xc_i = x_i
+
+
+def _predictor(row: np.ndarray, order: int) -> np.ndarray:
+    return row[1 + order + 3:]
+
+
+def _frozen(p: Plan) -> Plan:
+    for a in (p.timesteps, p.sigmas, p.coeffs):
+        a.setflags(write=False)
+    return p
+
+
+def check_plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas, default_shift: float
+               ) -> None:
+    """Refuse a schedule that is unusable (noise levels that round to 0 or 1, NaN coefficients) before anything
+    runs, naming the flow shift rather than failing later in the weights."""
+    with np.errstate(all="ignore"):
+        try:
+            p = plan(sampler, steps, shift, config, sigmas)
+        except (ValueError, ZeroDivisionError, FloatingPointError):
+            p = None
+        levels = p.sigmas[:-1] if p is not None else np.array([np.nan])
+        inside = (levels > 0) & (levels < 1)
+        inside[0] = 0 < levels[0] <= 1  # a schedule may start at pure noise (euler, custom sigmas)
+        ok = p is not None and bool(np.all(inside)) and bool(np.all(np.diff(p.sigmas) <= 0)) \
+            and bool(np.isfinite(p.coeffs).all())
+    if not ok:
+        shown = f"{levels[0]:.3g} .. {levels[-1]:.3g}"
+        raise UserError(f"flow shift {shift:g} gives an unusable {steps}-step {sampler} schedule (noise levels {shown} "
+                        f"must lie strictly between 0 and 1 and decrease): use a flow shift of about 1 to 20 (this "
+                        f"bundle's default is {default_shift:g})")
+
+
+# Settings of each diffusers scheduler that the rows here do not model, with the values they must have.
+_EULER_FIXED = {"use_dynamic_shifting": (False,), "invert_sigmas": (False,), "shift_terminal": (None, 0, 0.0),
+                "use_karras_sigmas": (False,), "use_exponential_sigmas": (False,), "use_beta_sigmas": (False,),
+                "stochastic_sampling": (False,)}
+_DPM_FIXED = {"prediction_type": ("flow_prediction",), "use_flow_sigmas": (True,), "algorithm_type": ("dpmsolver++",),
+              "solver_order": (DPM_ORDER,), "solver_type": ("midpoint",), "final_sigmas_type": ("zero",),
+              "thresholding": (False,), "use_dynamic_shifting": (False,), "use_karras_sigmas": (False,),
+              "use_exponential_sigmas": (False,), "use_beta_sigmas": (False,), "use_lu_lambdas": (False,),
+              "variance_type": (None,)}
+
+
+def from_checkpoint(cfg: dict) -> tuple[str, UniPCConfig, float]:
+    """(sampler, UniPC config of the bundle's step state, default flow shift) of a diffusers scheduler config;
+    ValueError saying why if its scheduler is not one these rows reproduce. A checkpoint whose scheduler is not
+    UniPC gets Wan's UniPC configuration (order 2, so dpm++ fits its state too) for `--sampler unipc`."""
+    name = cfg.get("_class_name", "UniPCMultistepScheduler")
+    sampler = SCHEDULER_CLASSES.get(name)
+    if sampler is None:
+        raise ValueError(f"scheduler {name} is not supported (only {', '.join(SCHEDULER_CLASSES)})")
+    if sampler == "unipc":
+        unipc = scheduler.config_from_diffusers(cfg)
+        return sampler, unipc, unipc.flow_shift
+    fixed, shift_key = (_EULER_FIXED, "shift") if sampler == "euler" else (_DPM_FIXED, "flow_shift")
+    for key, allowed in fixed.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"{name} setting {key}={cfg[key]!r} is not supported (expected one of {allowed})")
+    shift = float(cfg.get(shift_key) if cfg.get(shift_key) is not None else 1.0)
+    return sampler, UniPCConfig(num_train_timesteps=int(cfg.get("num_train_timesteps", 1000)), flow_shift=shift), shift
