@@ -137,11 +137,11 @@ def adapter_tensors(source: Path, into: str | None = None) -> dict[str, np.ndarr
     return tensors
 
 
-def check_groups(tensors: dict[str, np.ndarray], groups: list[str], label: str) -> None:
-    """Refuse an adapter that targets an expert the model lacks."""
+def check_groups(tensors: dict[str, np.ndarray], groups: list[str], label: str, owner: str = "this model") -> None:
+    """Refuse an adapter that targets an expert the model (`owner`) lacks."""
     for group in sorted({key.split(".", 1)[0] for key in tensors}):
         if group not in GROUPS or group not in groups:
-            raise UserError(f"{label} targets {group}, which this model does not have (its experts: "
+            raise UserError(f"{label} targets {group}, which {owner} does not have (its experts: "
                             f"{', '.join(g for g in GROUPS if g in groups)})")
 
 
@@ -154,7 +154,7 @@ def convert(source: Path, bundle: Path, out: Path, into: str | None = None, forc
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
     manifest = mf.read(bundle)
     tensors = adapter_tensors(source, into)
-    check_groups(tensors, list(manifest.weights), f"LoRA {source} (bundle {bundle}, {manifest.kind})")
+    check_groups(tensors, list(manifest.weights), f"LoRA {source}", f"bundle {bundle} ({manifest.kind})")
     from runtime.lora import check_tensors
 
     targets = check_tensors(tensors, manifest, f"LoRA {source}")

@@ -59,8 +59,9 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                     "seconds": round(s.frames / m.defaults.fps, 4), "latents": list(s.latent_shape),
                     "default": i == 0} for i, s in enumerate(m.shapes)],
         "dtype": m.dtype, "quantize": m.quantize, "attention": m.attention,
-        "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance,
-                     "flow_shift": m.defaults.flow_shift, "fps": m.defaults.fps},
+        "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance, "guidance_2": m.defaults.guidance_2,
+                     "flow_shift": m.defaults.flow_shift, "fps": m.defaults.fps, "sampler": m.defaults.sampler,
+                     "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
         "scheduler": m.scheduler, "stages": stages, "weights": weights,
         "weights_attached": m.has_weights, "versions": m.versions,
     }
@@ -87,8 +88,12 @@ def format_text(s: dict[str, Any]) -> str:
         f"shapes     {len(s['shapes'])}: " + ", ".join(f"{x['size']} x {x['frames']} frames ({x['seconds']:g} s)"
                                                      + (" default" if x["default"] else "") for x in s["shapes"]),
         f"dtype      {s['dtype']} (VAE fp32); attention {_kv(s['attention'])}",
-        f"defaults   {d['steps']} steps, guidance {d['guidance']}, flow shift {d['flow_shift']}, {d['fps']} fps",
-        f"scheduler  UniPC order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}",
+        f"defaults   {d['steps']} {d['sampler']} steps"
+        + (f" (sigmas {', '.join(f'{v:g}' for v in d['sigmas'])})" if d.get("sigmas") else "")
+        + f", guidance {d['guidance']}" + (f" / {d['guidance_2']}" if d.get("guidance_2") is not None else "")
+        + f", flow shift {d['flow_shift']}, {d['fps']} fps",
+        f"samplers   unipc (order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}), euler, "
+        "dpm++ (any, per run)",
         f"versions   {_kv(s['versions'])}",
         "",
         "stages",

@@ -278,3 +278,37 @@ def test_bad_export_defaults_and_loras_are_one_line_errors(checkpoints, tmp_path
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
         assert not (tmp_path / "b").exists()
+
+
+def test_a_distilled_dit_in_the_original_wan_layout_attaches_with_run_defaults(checkpoints, tmp_path) -> None:
+    """lightx2v's full step-distilled DiT files: original Wan names, bf16. Attached to a --no-weights bf16 bundle with
+    the checkpoint's encoders and VAE (--dit-weights) and the distilled run's defaults (--defaults), the bundle's DiT
+    is the file's, bit for bit, and runs with no flags."""
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    from export.prequantized import diffusers_names
+
+    from .test_quantize import lightx2v_file
+
+    ckpt = checkpoints["tiny"]
+    plain = lightx2v_file(ckpt, "transformer", tmp_path / "plain.safetensors", None)
+    distilled = {k: (v * 0.9).to(torch.bfloat16) for k, v in load_torch(str(plain)).items()}  # "another" model
+    save_file(distilled, str(tmp_path / "distill.safetensors"))
+    bundle = tmp_path / "bundle"
+    run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", "64x32", "--frames", "5",
+               "--dtype", "bf16", "--max-sequence-length", "16", "--out", str(bundle), "-q")
+    run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--dit-weights",
+               str(tmp_path / "distill.safetensors"), "--defaults", "steps=2,guidance=1,sampler=euler,flow_shift=5",
+               "-q")
+    assert "ready to run" in run_cli("runtime", "verify", str(bundle)).stdout
+    pipe = runtime.load(bundle)
+    assert (pipe.manifest.defaults.steps, pipe.manifest.defaults.sampler) == (2, "euler")
+    got = load_file(str(bundle / "weights" / "transformer.safetensors"))
+    names = diffusers_names(list(distilled))
+    assert len(names) == len(distilled) and all(names[k] in got for k in distilled)
+    for old, new in names.items():  # bf16 as the file has it (the bundle keeps diffusers' fp32 modules in fp32)
+        assert np.array_equal(got[new].astype(np.float32), distilled[old].float().numpy()), new
+    assert pipe.generate("a kite", progress=False).std() > 1e-3

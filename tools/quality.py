@@ -9,7 +9,10 @@ encoder changes is part of what is measured), both start from the reference's in
 the decoded frames (float, in [0, 1]) are compared: PSNR (peak 1) and the largest absolute error in
 8-bit levels; plus the relative L2 error of the first step's guided velocity, which isolates the
 DiT's (and the encoders') error from its amplification over the steps. Any approximation can be
-measured this way: quantized weights, MagCache (--magcache on the candidate), fewer steps.
+measured this way: quantized weights, MagCache (--magcache on the candidate), fewer steps, another sampler
+(--candidate-sampler; the candidate may be the reference bundle itself):
+
+    python tools/quality.py --reference B --candidate B --steps 10 --candidate-sampler euler
 The two bundles must have the kind and shape compared (any target: a TPU bundle against a CPU one
 on a TPU host).
 """
@@ -52,8 +55,10 @@ def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
 
 def compare(reference: Any, candidate: Any, prompts: list[str], seeds: list[int], steps: int | None = None,
             guidance: float | None = None, size: str | None = None, frames: int | None = None,
-            image: Any = None, last_image: Any = None, candidate_magcache: Any = None) -> list[Row]:
-    """Rows of the comparison of two loaded pipelines (runtime.load)."""
+            image: Any = None, last_image: Any = None, candidate_magcache: Any = None,
+            reference_sampler: str | None = None, candidate_sampler: str | None = None) -> list[Row]:
+    """Rows of the comparison of two loaded pipelines (runtime.load); each runs its sampler (None: its bundle's
+    default)."""
     rows = []
     g = reference.shape(size, frames)
     for prompt in prompts:
@@ -62,11 +67,15 @@ def compare(reference: Any, candidate: Any, prompts: list[str], seeds: list[int]
             embeds[name] = p.encode(prompt, "", image, last_image, g.size, g.frames)
         for seed in seeds:
             latents = reference.initial_latents(seed, g)
-            v_ref = reference.first_velocity(embeds["ref"], seed, steps, guidance, latents=latents)
-            v_cand = candidate.first_velocity(embeds["cand"], seed, steps, guidance, latents=latents)
+            v_ref = reference.first_velocity(embeds["ref"], seed, steps, guidance, latents=latents,
+                                             sampler=reference_sampler)
+            v_cand = candidate.first_velocity(embeds["cand"], seed, steps, guidance, latents=latents,
+                                              sampler=candidate_sampler)
             out = {}
-            for name, p, mc in (("ref", reference, None), ("cand", candidate, candidate_magcache)):
-                z = p.denoise(embeds[name], seed, steps, guidance, latents=latents, progress=False, magcache=mc)
+            for name, p, mc, sampler in (("ref", reference, None, reference_sampler),
+                                         ("cand", candidate, candidate_magcache, candidate_sampler)):
+                z = p.denoise(embeds[name], seed, steps, guidance, latents=latents, progress=False, magcache=mc,
+                              sampler=sampler)
                 out[name] = p.decode(z)
             rows.append(Row(prompt, seed, psnr(out["ref"], out["cand"]),
                             float(np.max(np.abs(out["ref"] - out["cand"]))) * 255, rel_error(v_ref, v_cand)))
@@ -104,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--image", type=Path, default=None, help="first frame, for image-to-video kinds")
     p.add_argument("--last-image", type=Path, default=None, help="last frame, for first-last-frame kinds")
     p.add_argument("--magcache", type=Path, default=None, help="ratios JSON: run the candidate with MagCache")
+    p.add_argument("--reference-sampler", default=None, help="unipc, euler or dpm++ (default: the bundle's)")
+    p.add_argument("--candidate-sampler", default=None, help="unipc, euler or dpm++ (default: the bundle's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -122,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
         magcache = runtime.MagCache(load_ratios(args.magcache)) if args.magcache else None
         rows = compare(ref, cand, args.prompt or list(PROMPTS), args.seeds, args.steps, args.guidance, args.size,
-                       args.frames, args.image, args.last_image, magcache)
+                       args.frames, args.image, args.last_image, magcache, args.reference_sampler,
+                       args.candidate_sampler)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
