@@ -193,7 +193,8 @@ def _merges(args: argparse.Namespace) -> list:
     """--merge-lora / --merge-lora-2 as (file, scale, expert) (export/lora.py); a missing file fails here."""
     from .lora import parse_merge
 
-    return [parse_merge(t, None) for t in args.merge_lora] + [parse_merge(t, "transformer_2") for t in args.merge_lora_2]
+    return ([parse_merge(t, None) for t in args.merge_lora]
+            + [parse_merge(t, "transformer_2") for t in args.merge_lora_2])
 
 
 def _flash_blocks(args: argparse.Namespace) -> FlashBlocks:

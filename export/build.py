@@ -22,8 +22,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from runtime import images, kinds
-from runtime import samplers
+from runtime import images, kinds, samplers
 from runtime import scheduler as sched
 from runtime import settings as run_settings
 from runtime.errors import UserError

@@ -126,8 +126,8 @@ def adapter_tensors(source: Path, into: str | None = None) -> dict[str, np.ndarr
         a = p["A"].to(torch.float32).numpy()
         b = p["B"].to(torch.float32).numpy() * scale
         if a.ndim != 2 or b.ndim != 2:
-            raise UserError(f"LoRA {source}: module {where} is not a linear layer (A {list(a.shape)}, B {list(b.shape)}): "
-                            "only linear LoRAs are supported")
+            raise UserError(f"LoRA {source}: module {where} is not a linear layer (A {list(a.shape)}, B "
+                            f"{list(b.shape)}): only linear LoRAs are supported")
         tensors[f"{where}.weight.lora_A"] = np.ascontiguousarray(a)
         tensors[f"{where}.weight.lora_B"] = np.ascontiguousarray(b)
         if "B_bias" in p:
@@ -167,7 +167,7 @@ def convert(source: Path, bundle: Path, out: Path, into: str | None = None, forc
     return {"bundle_id": manifest.bundle_id, "targets": len(targets)}
 
 
-MergeSpec = tuple[Path, float, str | None]  # (LoRA file, scale, expert its `transformer.` keys go to or None)
+MergeSpec = tuple[Path, float, str | None]  # (LoRA file, scale, the expert its `transformer.` keys go to, or None)
 
 
 def parse_merge(text: str, into: str | None) -> MergeSpec:
@@ -195,9 +195,10 @@ def read_merges(merges: list[MergeSpec], shapes: dict[str, dict[str, tuple[int, 
                 raise UserError(f"{label}: its {part} for {group} tensor {name!r} matches no weight of the model (a "
                                 "LoRA of another model?)")
             want = shapes[group][name]
-            ok = {"lora_A": lambda: len(want) == 2 and value.shape[1] == want[1],
-                  "lora_B": lambda: len(want) == 2 and value.shape[0] == want[0],
-                  "delta": lambda: tuple(value.shape) == tuple(want)}[part]()
+            if part == "delta":
+                ok = tuple(value.shape) == tuple(want)
+            else:  # A (r, in) against W's columns, B (out, r) against its rows
+                ok = len(want) == 2 and value.shape[1 if part == "lora_A" else 0] == want[1 if part == "lora_A" else 0]
             if not ok:
                 raise UserError(f"{label}: {part} {list(value.shape)} does not fit {group} tensor {name} "
                                 f"{list(want)} (a LoRA of another model size?)")

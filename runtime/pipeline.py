@@ -372,8 +372,8 @@ class Pipeline:
                 else:
                     contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
             values = {"state": state_dev, "kv": contexts_dev[text], "context": contexts_dev[text],
-                      "timestep": timestep_of(plan.timesteps[i]), "guidance": guidances[e], "row": plan.coeffs[i], **extras_dev,
-                      "residual": residual}
+                      "timestep": timestep_of(plan.timesteps[i]), "guidance": guidances[e], "row": plan.coeffs[i],
+                      **extras_dev, "residual": residual}
             outs = self.bundle.call(name)(*[values[n] for n in self._inputs(name)])
             state_dev, finite = outs[0], outs[1]
             if variant.residual == "out":

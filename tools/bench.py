@@ -25,7 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(2 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
                 str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import e2e, eager, export_time, load, quantize, ready, roofline, serve, speedups, startup  # noqa: E402
+from benchmarks import (  # noqa: E402
+    e2e,
+    eager,
+    export_time,
+    fewsteps,
+    load,
+    quantize,
+    ready,
+    roofline,
+    serve,
+    speedups,
+    startup,
+)
 from benchmarks.common import Usage, emit, run_child  # noqa: E402
 
 MEASURES = {  # name: (module, the question it answers)
@@ -37,6 +49,7 @@ MEASURES = {  # name: (module, the question it answers)
     "serve": (serve, "serving throughput and latency: one replica, two on PostgreSQL, one killed"),
     "load": (load, "load against servers already running (loopback)"),
     "speedups": (speedups, "CFG-free steps and MagCache: speed-up and fidelity"),
+    "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
 }
