@@ -92,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
                                                    "several. The bundle makes every resolution x frames pair (its "
                                                    "shapes; the first of each list is the default) from one copy "
                                                    "of the weights")
+    p.add_argument("--reference-images", default=None, metavar="N,N,...",
+                   help="VACE models: the counts of reference images the bundle serves, each a set of DiT programs "
+                        "(a reference image is one more latent frame), the first the default (default 0,1)")
+    p.add_argument("--video-to-video", action="store_true",
+                   help="a text-to-video model (t2v, t2v-moe): also export the VAE encoder, so runs can start from a "
+                        "source video (strength); a WanVideoToVideoPipeline checkpoint does this without the flag")
     p.add_argument("--batch", type=int, default=1, help="videos per call (default 1)")
     p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)})")
     p.add_argument("--mesh", default=None, help="override the preset's mesh, e.g. dp=2,sp=1,tp=4")
@@ -144,7 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--validate goes with --savedmodel BUNDLE")
         if args.dit_weights:
             raise UserError("--dit-weights goes with --attach-weights BUNDLE --weights SOURCE")
-        from .build import Settings, build_bundle, parse_defaults, parse_frames, parse_shapes, size_multiple
+        from .build import (
+            Settings,
+            build_bundle,
+            parse_defaults,
+            parse_frames,
+            parse_reference_images,
+            parse_shapes,
+            size_multiple,
+        )
 
         if args.resolution is None or args.out is None:
             raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
@@ -170,13 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
         shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
+        references = parse_reference_images(args.reference_images, src.model)
+        if args.video_to_video:
+            if src.model.conditioning != "none" or src.model.name == "ti2v":
+                raise UserError(f"--video-to-video is for text-to-video models (t2v, t2v-moe); {args.model} is "
+                                f"{src.model.title}")
+            src.video_to_video = True
         settings = Settings(shapes=shapes, batch=args.batch,
                             max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
                             attention=AttentionConfig(
                                 block_q=args.attention_block_q, block_kv=args.attention_block_kv,
                                 flash=_flash_blocks(args),
                                 k_smoothing=args.k_smoothing),
-                            quantize=args.quantize, defaults=run_defaults, loras=tuple(merges))
+                            quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
+                            reference_images=references)
         manifest = build_bundle(src, settings, args.out, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

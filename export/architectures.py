@@ -54,6 +54,11 @@ _CLIP_PROCESSOR: dict[str, Any] = dict(
     size={"shortest_edge": 224},
 )
 
+# VACE: VACE blocks after the main blocks in vace_layers, taking 96 channels (inactive + reactive latents, 16 each,
+# and the mask folded 8x8: 64).
+_VACE_1_3B = dict(vace_layers=list(range(0, 30, 2)), vace_in_channels=96)
+_VACE_14B = dict(vace_layers=list(range(0, 40, 5)), vace_in_channels=96)
+
 # The Wan 2.2 VAE of TI2V-5B.
 _VAE22: dict[str, Any] = dict(
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
@@ -97,6 +102,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "wan2.1-i2v-14b-720p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
                                  _transformer(40, 13824, 40, **_I2V_14B), image_encoder=_CLIP_VIT_H,
                                  image_processor=_CLIP_PROCESSOR),
+    "wan2.1-vace-1.3b": _arch("WanVACEPipeline", "Wan-AI/Wan2.1-VACE-1.3B-diffusers",
+                              _transformer(12, 8960, 30, **_VACE_1_3B)),
+    "wan2.1-vace-14b": _arch("WanVACEPipeline", "Wan-AI/Wan2.1-VACE-14B-diffusers",
+                             _transformer(40, 13824, 40, **_VACE_14B), flow_shift=5.0),
+    # Wan2.2-VACE-Fun-A14B (alibaba-pai): the VACE branch on both experts of Wan2.2-T2V-A14B
+    "wan2.2-vace-fun-a14b": _arch("WanVACEPipeline", "alibaba-pai/Wan2.2-VACE-Fun-A14B",
+                                  _transformer(40, 13824, 40, **_VACE_14B), boundary_ratio=0.875),
     "wan2.1-flf2v-14b-720p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
                                    _transformer(40, 13824, 40, **_I2V_14B, pos_embed_seq_len=2 * 257),
                                    flow_shift=16.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),

@@ -37,20 +37,30 @@ def capture(module: Any) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def replace(module: Any, first: Any) -> Iterator[None]:
+def replace(module: Any, first: Any, keep_vace: bool = False) -> Iterator[None]:
     """While active, the first block returns first(hidden_states, *its other arguments) and the others return
-    their input, so none of the blocks' work is traced (hooks on the blocks still run)."""
+    their input, so none of the blocks' work is traced (hooks on the blocks still run). A VACE model's VACE blocks
+    (WanVACETransformer3DModel) return zero hints, so the model adds nothing after the blocks they follow, unless
+    `keep_vace` (a block loop's head computes the hints)."""
     blocks = list(module.blocks)
+    vace = [] if keep_vace else list(getattr(module, "vace_blocks", None) or [])
 
     def through(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         return hidden_states
 
+    def no_hint(hidden_states: Any, encoder_hidden_states: Any, control_hidden_states: Any, *args: Any) -> Any:
+        import torch
+
+        return torch.zeros_like(hidden_states), control_hidden_states
+
     for i, block in enumerate(blocks):
         block.forward = first if i == 0 else through  # an instance attribute shadows the class's forward
+    for block in vace:
+        block.forward = no_hint
     try:
         yield
     finally:
-        for block in blocks:
+        for block in blocks + vace:
             del block.forward
 
 

@@ -68,6 +68,7 @@ class Settings:
     quantize: str | None = None  # export/quantize.py MODES
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # --defaults: run defaults over the checkpoint's
     loras: tuple[lora.MergeSpec, ...] = ()  # --merge-lora / --merge-lora-2: merged into the DiT's weights
+    reference_images: tuple[int, ...] = (0,)  # VACE: the counts of reference images the DiT programs serve
 
 
 def size_multiple(src: Source) -> int:
@@ -111,6 +112,23 @@ def parse_frames(text: str) -> list[int]:
     return out
 
 
+def parse_reference_images(text: str | None, kind: Kind) -> tuple[int, ...]:
+    """--reference-images "0,1" -> (0, 1): the counts a VACE bundle serves (default 0 and 1), the first the default;
+    refused for other kinds."""
+    if not kind.reference_images:
+        if text is not None:
+            raise UserError(f"--reference-images is for VACE models; this model is {kind.title}")
+        return (0,)
+    counts = []
+    for part in (text or "0,1").split(","):
+        if not part.strip().isdigit():
+            raise UserError(f"--reference-images {text!r} is not a comma-separated list of counts (e.g. 0,1,2)")
+        counts.append(int(part))
+    if len(set(counts)) != len(counts):
+        raise UserError(f"--reference-images {text!r} lists a count twice: list each once")
+    return tuple(counts)
+
+
 def parse_shapes(resolutions: str, frames: str, multiple: int = 16) -> tuple[tuple[int, int, int], ...]:
     """--resolution R1,R2,... x --frames F1,F2,... -> every (width, height, frames), in the order given (the first
     resolution with the first frame count is the default shape); a resolution or count given twice is refused."""
@@ -123,7 +141,7 @@ def parse_shapes(resolutions: str, frames: str, multiple: int = 16) -> tuple[tup
     return tuple((w, h, f) for w, h in sizes for f in counts)
 
 
-def geometry(src: Source, s: Settings, shape: tuple[int, int, int]) -> Geometry:
+def geometry(src: Source, s: Settings, shape: tuple[int, int, int], reference_images: int = 0) -> Geometry:
     vae_cfg, tr_cfg = src.vae_config, src.transformer_config
     t_scale = int(vae_cfg.get("scale_factor_temporal") or 4)
     s_scale = int(vae_cfg.get("scale_factor_spatial") or 8)
@@ -139,7 +157,7 @@ def geometry(src: Source, s: Settings, shape: tuple[int, int, int]) -> Geometry:
                     max_sequence_length=s.max_sequence_length, latent_channels=int(vae_cfg.get("z_dim") or 16),
                     latent_frames=(frames - 1) // t_scale + 1, latent_height=height // s_scale,
                     latent_width=width // s_scale, text_dim=text_dim, temporal_scale=t_scale,
-                    spatial_scale=s_scale)
+                    spatial_scale=s_scale, reference_images=reference_images)
 
 
 def versions() -> dict[str, str]:
@@ -165,7 +183,7 @@ def attention_for(target: Target, base: AttentionConfig) -> AttentionConfig:
 def dit_shape(src: Source, geo: Geometry) -> sharding.DitShape:
     cfg = src.transformer_config
     _, ph, pw = cfg["patch_size"]
-    tokens = geo.latent_frames * (geo.latent_height // ph) * (geo.latent_width // pw)
+    tokens = geo.latent_shape[2] * (geo.latent_height // ph) * (geo.latent_width // pw)  # reference frames too
     return sharding.DitShape(heads=int(cfg["num_attention_heads"]), tokens=tokens, batch=2 * geo.batch)
 
 
@@ -197,10 +215,10 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
 
         quantized = quant.apply(module, group, quantize)
     if group == "vae":
-        parts = vae_stage.module(module, encode=bool(src.model.vae_encode))
+        parts = vae_stage.module(module, encode=bool(src.model.vae_encode) or src.video_to_video)
         ex = extract(parts, dataclasses.replace(attention, kernel="xla"), conv_as_2d=cpu)
     elif group in ("transformer", "transformer_2"):
-        ex = extract(module, attention, mesh, {r"blocks\.\d+": lambda: sharding.current_layout().hidden},
+        ex = extract(module, attention, mesh, {r"(vace_)?blocks\.\d+": lambda: sharding.current_layout().hidden},
                      cpu_dots=cpu)
     else:
         ex = extract(module, dataclasses.replace(attention, kernel="xla"), cpu_dots=cpu)
@@ -223,7 +241,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
     kind = src.model
-    shapes = [geometry(src, s, shape) for shape in s.shapes]
+    refs = s.reference_images if kind.reference_images else (0,)  # VACE: the DiT's programs per count of them
+    shapes = [geometry(src, s, shape, r) for shape in s.shapes for r in refs]
     geo = shapes[0]  # the default shape; what does not depend on the shape is traced with it
     for g in shapes:
         sharding.check_dit(s.target, dit_shape(src, g), src.id,
@@ -295,7 +314,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
             # Keys and values over a short prompt's rows (export/cross_kv.py): CPU targets, where cross-attention
             # over 512 rows is a tenth of a small video's step; elsewhere as before (the TPU kernel takes no bias).
-            short_rows = kinds.short_text_lengths(L) if s.target.platform == "cpu" else ()
+            # (Not for VACE: its head runs the VACE blocks' cross-attention, on the whole text's keys and values.)
+            short_rows = kinds.short_text_lengths(L) if s.target.platform == "cpu" and not kind.vace else ()
             image_tokens = None
             if kind.image_encoder:
                 cfg = src.image_encoder_config or {}
@@ -323,7 +343,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                     block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
                     for g in shapes:  # the model loaded once; each shape costs its own tracing only
                         export_denoise(src, ex, block, kind, g, s.target, order, model_dtype,
-                                       conditioning_inputs(kind, g), add_program, write_program, programs,
+                                       conditioning_inputs(kind, g, ex.module), add_program, write_program, programs,
                                        shape_suffix("video", g, geo))
                 else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
@@ -342,7 +362,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             for size in dict.fromkeys(g.size for g in shapes):  # the VAE's chunks depend on width x height only
                 same = [g for g in shapes if g.size == size]
                 longest = max(same, key=lambda g: g.latent_frames)  # its chunk programs serve every frame count
-                export_vae(vae, ex, kind, longest, s.target, add_program,
+                export_vae(vae, ex, "video" if src.video_to_video else kind.vae_encode, longest, s.target, add_program,
                            dataclasses.replace(attention, kernel="xla"), shape_suffix("size", longest, geo))
             del vae, ex
             gc.collect()
@@ -370,6 +390,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             boundary_ratio=src.boundary_ratio,
             image_processor=image_processor,
             quantize=s.quantize,
+            video_to_video=src.video_to_video,
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
         replace_dir(tmp, out)
@@ -430,14 +451,18 @@ def defaults_for(kind: Kind, config: sched.UniPCConfig, base: Defaults, given: d
     return d
 
 
-def conditioning_inputs(kind: Kind, geo: Geometry) -> dict[str, TensorSpec]:
-    """The denoise programs' image conditioning inputs (kind.conditioning_inputs) and their shapes."""
+def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[str, TensorSpec]:
+    """The denoise programs' conditioning inputs (kind.conditioning_inputs) and their shapes (`module`: the DiT, for
+    a VACE model's control channels and layers)."""
     b, z, t, h, w = geo.latent_shape
     shapes = {
         # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents
         "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning == "concat" else (b, z, 1, h, w),
         "mask": (1, 1, t, h, w),
     }
+    if kind.vace:  # the inactive and reactive latents and the folded mask, for the reference images' frames too
+        shapes["control"] = (b, int(module.config.vace_in_channels), t, h, w)
+        shapes["control_scale"] = (len(module.config.vace_layers),)
     return {name: TensorSpec(shapes[name], "float32") for name in kind.conditioning_inputs}
 
 
@@ -503,11 +528,17 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                             tuple(out_partition))
                 continue
             hidden = layout.hidden
+            # A VACE model's head runs the VACE blocks (their cross-attention reads kv): its head and tail take every
+            # input (BlockLoop.head_takes_shared), and it carries the hints, split like the hidden states.
+            own_step, own_inputs = (step, inputs) if kind.vace else (no_kv, without_kv)
+            hints = PartitionSpec(None, *hidden)
             if batch not in heads:  # the step up to the first block is the same for every variant of this batch
                 carry = denoise_blocks.Carry()
-                head, carried = write_program(name, "transformer", denoise_blocks.head(ex, no_kv, carry), without_kv,
-                                              denoise_blocks.HEAD_OUTPUTS,
-                                              output_partition=(hidden, PartitionSpec(), PartitionSpec()))
+                fn = denoise_blocks.head(ex, own_step, carry, list(inputs).index("control_scale") if kind.vace else None)
+                head, carried = write_program(name, "transformer", fn, own_inputs,
+                                              denoise_blocks.VACE_HEAD_OUTPUTS if kind.vace else denoise_blocks.HEAD_OUTPUTS,
+                                              output_partition=(hidden, PartitionSpec(), PartitionSpec(),
+                                                                *([hints] if kind.vace else [])))
                 heads[batch] = head, carried, carry
             head, carried, carry = heads[batch]
             for t, t_kv in [(L, kv), *short_kv.items()]:  # one block program per batch size, shared by the variants
@@ -515,20 +546,22 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                     rows = "" if t == L else f"_t{t}"
                     block_files[batch, t], _ = write_program(
                         f"denoise_block_{batch}{rows}{suffix}", "transformer",
-                        denoise_blocks.block(block, carry, kind.image_encoder, L - t),
-                        {**carried, "kv": t_kv, "layer": TensorSpec((), "int32")}, ["hidden"], {"hidden": hidden},
-                        hidden, tensors)
+                        denoise_blocks.block(block, carry, kind.image_encoder, L - t,
+                                             denoise_blocks.vace_index(ex.module) if kind.vace else None),
+                        {**carried, "kv": t_kv, "layer": TensorSpec((), "int32")}, ["hidden"],
+                        {"hidden": hidden, "hints": hints}, hidden, tensors)
             tail_name = f"{kinds.denoise_program(0, v.name)}_tail{suffix}"
-            tail, outs = write_program(tail_name, "transformer", denoise_blocks.tail(ex, no_kv),
-                                       {**without_kv, "hidden": carried["hidden"]}, outputs,
+            tail, outs = write_program(tail_name, "transformer", denoise_blocks.tail(ex, own_step),
+                                       {**own_inputs, "hidden": carried["hidden"]}, outputs,
                                        {"residual": hidden, "hidden": hidden}, tuple(out_partition))
             loop = BlockLoop(block=block_files[batch, L], tail=tail, layers=layers, prefix=denoise_blocks.BLOCK_PREFIX,
-                             shared=("kv",), short_blocks={str(t): block_files[batch, t] for t in short_kv})
+                             shared=("kv",), short_blocks={str(t): block_files[batch, t] for t in short_kv},
+                             head_takes_shared=kind.vace)
             programs[name] = ProgramSpec(file=head.file, sha256=head.sha256, weights="transformer", inputs=inputs,
                                          outputs=outs, blocks=loop)
 
 
-def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Target, add_program: Any,
+def export_vae(vae: Any, ex: Extracted, encode: str, geo: Geometry, target: Target, add_program: Any,
                attention: AttentionConfig, suffix: str = "") -> None:
     """The VAE's chunk programs for width x height of `geo` (named with `suffix`, manifest.shape_suffix): decode
     always, encode as the kind needs (one image, or a whole video). The chunks do not depend on the frame count;
@@ -537,8 +570,8 @@ def export_vae(vae: Any, ex: Extracted, kind: Kind, geo: Geometry, target: Targe
     On CPU targets the decoder is export/vae_decoder.py's channels-last JAX version of the same module
     (same weights, same cache slots); elsewhere, and for the encoder, the torchax trace."""
     directions = [("decode", geo.batch, geo.latent_height, geo.latent_width, geo.latent_frames)]
-    if kind.vae_encode:  # images are encoded once per call (batch 1) and repeated over the batch on the host
-        chunks = 1 if kind.vae_encode == "image" else geo.latent_frames
+    if encode:  # images and videos are encoded once per call (batch 1) and repeated over the batch on the host
+        chunks = 1 if encode == "image" else geo.latent_frames
         directions.insert(0, ("encode", 1, geo.height, geo.width, chunks))
     for direction, batch, height, width, chunks in directions:
         caches = vae_stage.cache_specs(vae, direction, batch, height, width)

@@ -8,7 +8,8 @@ so a bundle holds a program per expert (`cross_kv`, `cross_kv_2`) that computes 
 denoise programs take them as their `kv` input:
 
     kv: (layers, 2, 2B, heads, S, head_dim)  keys then values of every block, for the prompt's B samples then
-                                   the negative prompt's; S = image tokens (0 without CLIP) + text tokens
+                                   the negative prompt's; S = image tokens (0 without CLIP) + text tokens; a VACE
+                                   model's VACE blocks follow its blocks (`attention_blocks`)
 
 Heads before tokens is the layout attention reads them in (B, H, S, D): stored so, the blocks' split into heads
 and SDPA's transpose cancel out, where keys and values stored as (S, inner) were transposed again by every
@@ -67,11 +68,16 @@ def _kv(a: Any, x: Any, image: bool = False) -> Any:
     return torch.stack([a.norm_k(a.to_k(x)), a.to_v(x)])
 
 
+def attention_blocks(module: Any) -> list[Any]:
+    """The blocks with a cross-attention, in kv's order: the DiT's blocks, then a VACE model's VACE blocks."""
+    return [*module.blocks, *(getattr(module, "vace_blocks", None) or [])]
+
+
 def _text_rows(module: Any, text: Any) -> Any:
     """torch: (layers, 2, N, r, inner) keys and values of rows that go through the text projections."""
     import torch
 
-    return torch.stack([_kv(block.attn2, text) for block in module.blocks])
+    return torch.stack([_kv(block.attn2, text) for block in attention_blocks(module)])
 
 
 def _text(module: Any, context: Any) -> Any:
@@ -87,7 +93,7 @@ def _image_rows(module: Any, img: Any) -> Any:
     """torch: (layers, 2, N, r, inner) keys and values of image tokens (the added projections)."""
     import torch
 
-    return torch.stack([_kv(block.attn2, img, image=True) for block in module.blocks])
+    return torch.stack([_kv(block.attn2, img, image=True) for block in attention_blocks(module)])
 
 
 def _heads(x: jax.Array, heads: int) -> jax.Array:
@@ -191,7 +197,7 @@ def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Itera
     n_img = image_tokens(s) if emb.image_embedder is not None else 0
     try:
         with contextlib.ExitStack() as stack:
-            for i, block in enumerate(module.blocks):
+            for i, block in enumerate(attention_blocks(module)):
                 stack.enter_context(block_precomputed(block, env, kv[i], n_img))
             yield
     finally:

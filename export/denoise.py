@@ -43,6 +43,9 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     extras, named by kind.conditioning_inputs: condition float32 ((B, 4 + z, T, H, W) for "concat",
     (B, z, 1, H, W) for "first_frame"), mask float32 (1, 1, T, H, W) (1 where the latents are
     denoised, 0 where the image stands);
+    control float32 (B, C, T, H, W) and control_scale float32 (VACE layers,) for "vace": the VACE branch's
+    input latents and the scale of each of its hints, as diffusers' control_hidden_states(_scale), the same for
+    cond and uncond;
     residual (2B, S, dim) in the model dtype: the transformer blocks' output minus input, returned by a
     "residual" variant and taken (instead of running the blocks) by a "cached" one (export/block_cache.py).
     """
@@ -74,13 +77,16 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         kwargs: dict[str, Any] = {"return_dict": False}
         if kind.image_encoder:
             kwargs["encoder_hidden_states_image"] = jnp.zeros((n, 0, 0), dtype)
+        if kind.vace:  # as diffusers: conditioning_latents.to(dtype), conditioning_scale.to(dtype)
+            kwargs["control_hidden_states"] = jnp.concatenate([named["control"]] * copies).astype(dtype)
+            kwargs["control_hidden_states_scale"] = named["control_scale"].astype(dtype)
         args = (model_in, t, jnp.zeros((n, text_tokens, 0), dtype))
         with cross_kv.precomputed(ex.module, ex.env, kv, text_tokens):
             if variant.residual == "out":
                 with block_cache.capture(ex.module) as box:
                     out = ex.fn(weights, args, kwargs)[0]
                 residual = ex.env.t2j_iso(box["out"]) - ex.env.t2j_iso(box["in"])
-            elif variant.residual == "in":
+            elif variant.residual == "in":  # no block runs, the VACE branch neither (its hints are in the residual)
                 with block_cache.skip(ex.module, ex.env.j2t_iso(residual.astype(dtype))):
                     out = ex.fn(weights, args, kwargs)[0]
             else:

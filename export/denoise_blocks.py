@@ -10,7 +10,12 @@
                                                                MagCache's residual, last block's output minus
                                                                first block's input)
 
-The three run what the one-program step (export/denoise.py) runs, on the same values. Why split: XLA compiles
+The three run what the one-program step (export/denoise.py) runs, on the same values.
+
+A VACE model (WanVACETransformer3DModel) runs its VACE blocks before the main blocks, on the embedded input, and
+adds hint j, times its scale, after main block vace_layers[j]. Its head runs the VACE blocks (so it takes the
+shared keys and values, BlockLoop.head_takes_shared) and hands the scaled hints to the blocks as a fourth carried
+value, (VACE layers, B, S, dim); block i adds hint `VaceLayers.index[i]` after itself (none: index -1). Why split: XLA compiles
 every unrolled block of a one-program step into its own code. On CPU that is 30 copies at the 1.3B widths:
 loading the step's executable from the compilation cache took about 1 s and its first run 1.8-2.2 s longer
 than later runs (XLA's YNNPACK fusions build their executables on first execution, one after another); as
@@ -47,39 +52,64 @@ class Carry:
 
 
 HEAD_OUTPUTS = ["hidden", "temb", "rope"]
+VACE_HEAD_OUTPUTS = [*HEAD_OUTPUTS, "hints"]
 
 
-def head(ex: Extracted, step: Callable[..., Any], carry: Carry) -> Callable[..., tuple[jax.Array, ...]]:
-    """fn(weights, *step inputs) -> (hidden, temb, rope): the first block's arguments (RoPE's tables stacked)."""
+def vace_index(module: Any) -> list[int]:
+    """For each main block, the VACE hint added after it (its position in vace_layers), or -1."""
+    layers = list(module.config.vace_layers)
+    return [layers.index(i) if i in layers else -1 for i in range(len(module.blocks))]
+
+
+def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | None = None
+         ) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, *step inputs) -> (hidden, temb, rope): the first block's arguments (RoPE's tables stacked). A VACE
+    model's (`scale_at`: the position of control_scale among the step inputs) also returns its VACE blocks' hints
+    times their scales."""
 
     def fn(weights: dict[str, Any], *inputs: jax.Array) -> tuple[jax.Array, ...]:
         box: dict[str, Any] = {}
+        hints: list[Any] = []
 
         def first(hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_emb: Any) -> Any:
             box["args"] = (hidden_states, encoder_hidden_states, temb, rotary_emb)
             return hidden_states
 
-        with block_cache.replace(ex.module, first):
-            step(weights, *inputs)
+        vace = scale_at is not None
+        handles = [b.register_forward_hook(lambda _, args, out: hints.append(out[0]))
+                   for b in (ex.module.vace_blocks if vace else [])]
+        try:
+            with block_cache.replace(ex.module, first, keep_vace=vace):
+                step(weights, *inputs)
+        finally:
+            for h in handles:
+                h.remove()
         hidden, text, temb, rope = ex.env.t2j_iso(box["args"])
         carry.placeholder = (tuple(text.shape), text.dtype)
         carry.rope_tuple = isinstance(rope, (tuple, list))
-        return hidden, temb, jnp.stack(rope if carry.rope_tuple else [rope])
+        out = (hidden, temb, jnp.stack(rope if carry.rope_tuple else [rope]))
+        if vace:  # as the model adds them: control_hint * scale, in the model dtype
+            stacked = jnp.stack(ex.env.t2j_iso(hints))
+            scale = inputs[scale_at].astype(stacked.dtype)
+            out += ((stacked * scale[:, None, None, None]).astype(stacked.dtype),)
+        return out
 
     return fn
 
 
-def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0) -> Callable[..., jax.Array]:
-    """fn(block weights, hidden, temb, rope, kv, layer) -> hidden: one block of the DiT whose block 0 `ex_block`
-    extracts (weights named as inside the block). `image`: the model has a CLIP image embedder (its keys and values
-    lead each row of kv). `pad_rows`: kv is a short prompt's, its last row standing for that many zero rows
-    (cross_kv.build). Export it after a head, whose trace fills `carry`."""
+def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vace: list[int] | None = None
+          ) -> Callable[..., jax.Array]:
+    """fn(block weights, hidden, temb, rope[, hints], kv, layer) -> hidden: one block of the DiT whose block 0
+    `ex_block` extracts (weights named as inside the block). `image`: the model has a CLIP image embedder (its keys
+    and values lead each row of kv). `pad_rows`: kv is a short prompt's, its last row standing for that many zero
+    rows (cross_kv.build). `vace` (`vace_index`): a VACE model's block also adds its hint. Export it after a head,
+    whose trace fills `carry`."""
     if carry.placeholder is None:
         raise AssertionError("export the head before the block program")
     n_img = cross_kv.image_tokens(carry.placeholder[0][1]) if image else 0  # the placeholder spans all tokens
 
-    def fn(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
-           layer: jax.Array) -> jax.Array:
+    def run(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
+            layer: jax.Array) -> jax.Array:
         mine = jax.lax.dynamic_index_in_dim(kv, layer, 0, keepdims=False)  # (2, 2B, heads, S, head_dim)
         mine = mine[:, : hidden.shape[0]]  # a cond-only step runs the prompt's B (denoise.build)
         shape, dtype = carry.placeholder
@@ -87,7 +117,17 @@ def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0) -> 
         with cross_kv.block_precomputed(ex_block.module, ex_block.env, mine, n_img, pad_rows):
             return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), {})
 
-    return fn
+    if vace is None:
+        return run
+
+    def with_hint(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, hints: jax.Array,
+                  kv: jax.Array, layer: jax.Array) -> jax.Array:
+        out = run(weights, hidden, temb, rope, kv, layer)
+        j = jnp.asarray(vace, jnp.int32)[layer]
+        hint = jax.lax.dynamic_index_in_dim(hints, jnp.maximum(j, 0), 0, keepdims=False)
+        return jnp.where(j >= 0, out + hint.astype(out.dtype), out)
+
+    return with_hint
 
 
 def tail(ex: Extracted, step: Callable[..., Any]) -> Callable[..., tuple[jax.Array, ...]]:

@@ -16,7 +16,8 @@ From DESIGN.md section 5 and the seeds:
   devices on its first dimension that divides (gathered on use).
 - VAE (encoder and decoder): weights replicated; activations split on width over all devices (on height where
   only that divides, e.g. portrait 720x1280).
-- Both experts of a two-expert model (transformer, transformer_2) use the DiT rules.
+- Both experts of a two-expert model (transformer, transformer_2) use the DiT rules, and a VACE model's VACE
+  blocks those of its blocks (their input and hint projections, width x width, are replicated).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ ALL = AXES  # every device, in mesh order
 FSDP = "fsdp"  # rule marker: split over ALL on the first dimension that divides
 REPLICATED: tuple = ()
 
-_BLOCK = r"blocks\.\d+\."
+_BLOCK = r"(vace_)?blocks\.\d+\."  # the main blocks and VACE's (the same layers, plus their hint projections)
 RULES: dict[str, list[tuple[str, Any]]] = {
     "wan_transformer": [
         (_BLOCK + r"attn[12]\.to_[qkv]\.weight", ("tp", None)),  # column-parallel (out, in)

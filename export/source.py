@@ -45,6 +45,7 @@ class Source:
     boundary_ratio: float | None = None
     image_encoder_config: dict[str, Any] | None = None  # CLIPVisionConfig
     image_processor_config: dict[str, Any] | None = None  # the CLIP image processor's preprocessor_config
+    video_to_video: bool = False  # a text-to-video model that also takes a source video (VAE encoder programs)
 
     @property
     def model(self) -> Kind:
@@ -69,12 +70,11 @@ class Source:
 
     def load_transformer(self, subfolder: str = "transformer") -> Any:
         """One expert: "transformer", or "transformer_2" (the low-noise expert of a two-expert model)."""
-        from diffusers import WanTransformer3DModel
-
+        cls = transformer_class(self.model)
         if not self.weights:
-            return _empty(lambda: WanTransformer3DModel(**_init_args(self.transformer_config)), self._torch_dtype())
-        return WanTransformer3DModel.from_pretrained(self.location, subfolder=subfolder, revision=self.revision,
-                                                     dtype=self._torch_dtype()).eval()
+            return _empty(lambda: cls(**_init_args(self.transformer_config)), self._torch_dtype())
+        return cls.from_pretrained(self.location, subfolder=subfolder, revision=self.revision,
+                                   dtype=self._torch_dtype()).eval()
 
     def load_image_encoder(self) -> Any:
         from transformers import CLIPVisionConfig, CLIPVisionModel
@@ -103,6 +103,13 @@ class Source:
             return _empty(lambda: AutoencoderKLWan(**_init_args(self.vae_config)), torch.float32)
         return AutoencoderKLWan.from_pretrained(self.location, subfolder="vae", revision=self.revision,
                                                 dtype=torch.float32).eval()
+
+
+def transformer_class(kind: Kind) -> Any:
+    """diffusers' DiT class of a kind: WanVACETransformer3DModel for VACE, else WanTransformer3DModel."""
+    import diffusers
+
+    return diffusers.WanVACETransformer3DModel if kind.vace else diffusers.WanTransformer3DModel
 
 
 def _empty(build: Any, dtype: Any) -> Any:
@@ -188,7 +195,8 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
     if model in architectures.ARCHITECTURES:
         arch = architectures.ARCHITECTURES[model]
         src = Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
-                     transformer_config=_full_config("transformer", arch["transformer"]),
+                     transformer_config=_full_config("vace_transformer" if arch["pipeline"] == "WanVACEPipeline"
+                                                     else "transformer", arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False,
                      boundary_ratio=arch.get("boundary_ratio"),
@@ -268,14 +276,16 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
         text_encoder_config=UMT5Config.from_pretrained(where, subfolder="text_encoder", revision=revision).to_dict(),
         scheduler_config=sched, tokenizer_json=_tokenizer_json(tokenizer),
         boundary_ratio=index.get("boundary_ratio") if two else None,
-        image_encoder_config=image_encoder, image_processor_config=image_processor)
+        image_encoder_config=image_encoder, image_processor_config=image_processor,
+        video_to_video=PIPELINES[pipeline] == "v2v")
     src.model_kind = detect_kind(pipeline, two, bool(index.get("expand_timesteps")), transformer,
                                  image_encoder is not None, where)
     check_consistent(src)
     return src
 
 
-PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
+PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v", "WanVACEPipeline": "vace",
+             "WanVideoToVideoPipeline": "v2v"}
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
@@ -286,8 +296,12 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
             raise UserError(f"{where}: expand_timesteps with two experts or an image encoder is not a Wan "
                             "configuration wan-aot knows")
         return "ti2v"
-    if PIPELINES[pipeline] == "t2v":
+    if PIPELINES[pipeline] in ("t2v", "v2v"):  # video-to-video is text-to-video with a source video
         return "t2v-moe" if two_experts else "t2v"
+    if PIPELINES[pipeline] == "vace" or transformer.get("vace_layers") is not None:
+        if image_encoder:
+            raise UserError(f"{where}: a VACE model with an image encoder is not a Wan configuration wan-aot knows")
+        return "vace-moe" if two_experts else "vace"
     if two_experts:
         return "i2v-moe"
     if not image_encoder:
@@ -305,6 +319,12 @@ def check_consistent(src: Source) -> None:
     if int(t["in_channels"]) != want or int(t["out_channels"]) != z:
         raise UserError(f"{src.id}: the transformer takes {t['in_channels']} channels and gives {t['out_channels']}, "
                         f"but a {kind.title} model with a z_dim {z} VAE needs {want} in and {z} out")
+    if kind.vace:  # inactive + reactive latents, and the mask folded s x s onto the latent grid
+        spatial = int(src.vae_config.get("scale_factor_spatial") or 8)
+        control = 2 * z + spatial * spatial
+        if int(t.get("vace_in_channels") or 0) != control:
+            raise UserError(f"{src.id}: the VACE branch takes {t.get('vace_in_channels')} channels, but a z_dim {z} "
+                            f"VAE with a {spatial}x spatial scale gives {control} (2 x {z} + {spatial}x{spatial})")
     if kind.image_encoder and int(t.get("image_dim") or 0) != int((src.image_encoder_config or {})["hidden_size"]):
         raise UserError(f"{src.id}: the transformer's image_dim {t.get('image_dim')} is not the image encoder's "
                         f"hidden_size {(src.image_encoder_config or {}).get('hidden_size')}")
@@ -312,9 +332,10 @@ def check_consistent(src: Source) -> None:
 
 def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
     """The complete diffusers config (defaults filled in) of a component built from `args`."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel, WanVACETransformer3DModel
 
-    cls = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan}[component]
+    cls = {"transformer": WanTransformer3DModel, "vace_transformer": WanVACETransformer3DModel,
+           "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     return {**defaults, **args, "_class_name": cls.__name__}

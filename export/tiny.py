@@ -31,7 +31,7 @@ _VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, tem
 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
-# Optional keys: pipeline ("t2v" | "i2v"), experts (2: transformer_2 with boundary_ratio),
+# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v"), experts (2: transformer_2 with boundary_ratio),
 # expand_timesteps, image_encoder (a CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -69,6 +69,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Wan2.1-FLF2V-14B: first and last frame, a learned position embedding over both images' tokens.
     "tiny-flf2v": dict(transformer={**_I2V_DIT, "pos_embed_seq_len": 2 * _CLIP_TOKENS}, vae=_VAE,
                        text_encoder=_UMT5, flow_shift=3.0, pipeline="i2v", image_encoder=_CLIP),
+    # Wan2.1-VACE: the VACE branch after both blocks (96 = 2 x 16 latent channels + 8 x 8 mask channels).
+    "tiny-vace": dict(transformer={**_DIT, "vace_layers": [0, 1], "vace_in_channels": 96}, vae=_VAE,
+                      text_encoder=_UMT5, flow_shift=3.0, pipeline="vace"),
+    # Wan2.2-VACE-Fun-A14B: two VACE experts; its VACE branch after the first block only.
+    "tiny-vace-moe": dict(transformer={**_DIT, "vace_layers": [0], "vace_in_channels": 96}, vae=_VAE,
+                          text_encoder=_UMT5, flow_shift=3.0, pipeline="vace", experts=2, boundary_ratio=0.875),
+    # WanVideoToVideoPipeline: Wan 2.1 T2V that takes a source video.
+    "tiny-v2v": dict(transformer=_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, pipeline="v2v"),
     # Wan2.2-I2V-A14B: no CLIP, two experts.
     "tiny-i2v-moe": dict(transformer={**_DIT, "in_channels": 36}, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0,
                          pipeline="i2v", experts=2, boundary_ratio=0.9),
@@ -112,6 +120,9 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         WanImageToVideoPipeline,
         WanPipeline,
         WanTransformer3DModel,
+        WanVACEPipeline,
+        WanVACETransformer3DModel,
+        WanVideoToVideoPipeline,
     )
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
@@ -129,8 +140,10 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )).eval()
+    pipeline = spec.get("pipeline", "t2v")
+    dit = WanVACETransformer3DModel if pipeline == "vace" else WanTransformer3DModel
     torch.manual_seed(1)
-    transformer = WanTransformer3DModel(**spec["transformer"]).eval()
+    transformer = dit(**spec["transformer"]).eval()
     torch.manual_seed(2)
     vae = AutoencoderKLWan(**spec["vae"]).eval()
     scheduler = UniPCMultistepScheduler(
@@ -142,12 +155,12 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
                                  transformer=transformer)
     if spec.get("experts", 1) == 2:
         torch.manual_seed(3)
-        parts.update(transformer_2=WanTransformer3DModel(**spec["transformer"]).eval(),
+        parts.update(transformer_2=dit(**spec["transformer"]).eval(),
                      boundary_ratio=spec["boundary_ratio"])
     if spec.get("expand_timesteps"):
         parts["expand_timesteps"] = True
-    if spec.get("pipeline", "t2v") == "t2v":
-        return WanPipeline(**parts)
+    if pipeline in ("t2v", "vace", "v2v"):
+        return {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline}[pipeline](**parts)
     if "image_encoder" in spec:
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 

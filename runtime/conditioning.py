@@ -1,4 +1,5 @@
-"""The image conditioning of image-to-video kinds, computed on the host around the bundle's programs.
+"""The conditioning of image- and video-to-video kinds, computed on the host around the bundle's programs: the
+image latents of I2V, VACE's control (video, mask, reference images) and video-to-video's noised latents.
 
 Numpy only: the programs are reached through `call(name)` (a function taking the program's inputs in
 call order, runtime/signatures.py, and returning its outputs) and `host(x)` (an output as a numpy
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import images
+from . import images, video_input
 from .kinds import Kind
 from .manifest import Geometry
 
@@ -63,6 +64,93 @@ def vae_encode(kind: Kind, g: Geometry, frames: list[np.ndarray], call: Call, ho
     return np.concatenate([host(c).astype(np.float32) for c in chunks], axis=2)
 
 
+def encode_video(pixels: np.ndarray, call: Call, host: Host, chunk_frames: int) -> np.ndarray:
+    """VAE latents of a (3, F, H, W) video in [-1, 1], normalised, (1, z, T, h, w): the first frame alone, then chunks
+    of `chunk_frames` frames with the causal caches carried (diffusers' AutoencoderKLWan.encode, distribution mode)."""
+    frames = pixels.shape[1]
+    latents, *caches = _outputs(call("vae_encode_first")(np.ascontiguousarray(pixels[None, :, :1], np.float32)))
+    chunks = [latents]
+    if frames > 1:
+        nxt = call("vae_encode_next")
+        for start in range(1, frames, chunk_frames):
+            piece = np.ascontiguousarray(pixels[None, :, start:start + chunk_frames], np.float32)
+            latents, *caches = _outputs(nxt(piece, *caches))
+            chunks.append(latents)
+    return np.concatenate([host(c).astype(np.float32) for c in chunks], axis=2)
+
+
+def vace_control(g: Geometry, video: np.ndarray | None, mask: np.ndarray | None, references: list[np.ndarray],
+                 call: Call, host: Host, chunk_frames: int) -> np.ndarray:
+    """WanVACEPipeline's conditioning latents, float32 (B, 2z + s^2, R + T, h, w), from `video` (F, 3, H, W) in
+    [-1, 1] (None: zeros), `mask` (F, C, H, W) in [0, 1] (None: ones) and the R reference images (3, H, W):
+
+    - the mask binarized at 0.5; the video's inactive part (video x (1 - mask)) and reactive part (video x mask)
+      VAE-encoded, normalised, side by side on the channel axis;
+    - each reference image VAE-encoded as a one-frame video, beside zeros, put before the frames (each one before
+      the ones already there: the last reference image comes first), as `prepare_video_latents` does;
+    - the mask's first channel folded s x s onto the latent grid (s = spatial scale), resampled to T frames
+      ("nearest-exact"), with R zero frames before, as `prepare_masks` does."""
+    frames, s = g.frames, g.spatial_scale
+    if video is None:
+        video = np.zeros((frames, 3, g.height, g.width), np.float32)
+    if mask is None:
+        mask = np.ones_like(video)
+    binary = np.where(mask > 0.5, 1.0, 0.0).astype(np.float32)
+    parts = [encode_video((video * (1 - binary)).transpose(1, 0, 2, 3), call, host, chunk_frames),
+             encode_video((video * binary).transpose(1, 0, 2, 3), call, host, chunk_frames)]
+    latents = np.concatenate(parts, axis=1)
+    for ref in references:
+        ref_latent = encode_video(ref[:, None], call, host, chunk_frames)
+        latents = np.concatenate([np.concatenate([ref_latent, np.zeros_like(ref_latent)], axis=1), latents], axis=2)
+    m = mask[:, 0].reshape(frames, g.latent_height, s, g.latent_width, s).transpose(2, 4, 0, 1, 3)
+    m = m.reshape(s * s, frames, g.latent_height, g.latent_width)
+    index = np.minimum(np.floor((np.arange(g.latent_frames) + 0.5) * (frames / g.latent_frames)).astype(int),
+                       frames - 1)  # "nearest-exact" on the frame axis
+    m = m[:, index]
+    m = np.concatenate([np.zeros((s * s, len(references), *m.shape[2:]), np.float32), m], axis=1)
+    control = np.concatenate([latents[0], m], axis=0)[None]
+    return np.repeat(control, g.batch, axis=0).astype(np.float32)
+
+
+def encode_videos(kind: Kind, g: Geometry, video: list[Any] | None, mask: list[Any] | None, references: list[Any],
+                  call: Call, host: Host, chunk_frames: int) -> dict[str, np.ndarray]:
+    """The denoise inputs of a video (PIL frames, already checked against shape `g`): a VACE kind's `control`
+    (`vace_control`, from the video, mask and reference images, each preprocessed as WanVACEPipeline does), or
+    video-to-video's `video_latents` (B, z, T, h, w): the video's VAE latents, as WanVideoToVideoPipeline encodes
+    them (distribution mode, normalised), noised by the denoise loop at the step its strength picks."""
+    pixels = None if video is None else video_input.video_pixels(video, g.width, g.height)
+    if kind.vace:
+        masks = None if mask is None else video_input.mask_pixels(mask, g.width, g.height)
+        refs = [video_input.reference_pixels(r, g.width, g.height) for r in references]
+        return {"control": vace_control(g, pixels, masks, refs, call, host, chunk_frames)}
+    latents = encode_video(pixels.transpose(1, 0, 2, 3), call, host, chunk_frames)
+    return {"video_latents": np.repeat(latents, g.batch, axis=0)}
+
+
+def control_scale(scale: Any, layers: int) -> np.ndarray:
+    """VACE's `conditioning_scale` as the programs take it: float32 (layers,), one per VACE layer, from a number or
+    a list of one per layer (diffusers' `conditioning_scale`); UserError otherwise."""
+    from .errors import UserError
+
+    values = [scale] * layers if isinstance(scale, (int, float, np.floating, np.integer)) and \
+        not isinstance(scale, bool) else scale
+    try:
+        out = np.asarray(values, np.float64)
+    except (TypeError, ValueError):
+        out = np.asarray([np.nan])
+    if out.ndim != 1 or len(out) != layers or not np.isfinite(out).all():
+        raise UserError(f"conditioning_scale must be a number or a list of {layers} numbers (one per VACE layer of "
+                        f"this model), got {scale!r}")
+    return out.astype(np.float32)
+
+
+def noised(latents: np.ndarray, noise: np.ndarray, sigma: float) -> np.ndarray:
+    """Video-to-video's start: (1 - sigma) x latents + sigma x noise, what diffusers' flow schedulers' `add_noise`
+    (UniPC, DPM-Solver) and `scale_noise` (Euler) give at the first step run, in float32."""
+    s = np.float32(sigma)
+    return (s * noise.astype(np.float32) + (np.float32(1) - s) * latents.astype(np.float32)).astype(np.float32)
+
+
 def frame_mask(g: Geometry, has_last: bool) -> np.ndarray:
     """diffusers' mask_lat_size: 1 on the given frames (first, and last for FLF2V), the first repeated
     x temporal_scale, folded into (1, temporal_scale, T, h, w)."""
@@ -84,12 +172,15 @@ def text_mode(kind: Kind, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.nd
     return {"condition": np.zeros(shapes["condition"], np.float32), "mask": np.ones(shapes["mask"], np.float32)}
 
 
-def restore_first_frame(kind: Kind, extras: dict[str, np.ndarray], latents: np.ndarray) -> np.ndarray:
-    """After the loop, a "first_frame" kind's image frame is the image's latent again (diffusers' TI2V)."""
-    if kind.conditioning != "first_frame":
-        return latents
-    cond, mask = extras["condition"], extras["mask"]
-    return (1.0 - mask) * cond + mask * latents
+def after_loop(kind: Kind, extras: dict[str, np.ndarray], latents: np.ndarray, g: Geometry) -> np.ndarray:
+    """The denoised latents as the VAE decodes them: a "first_frame" kind's image frame is the image's latent again
+    (diffusers' TI2V); VACE's reference image frames are dropped."""
+    if kind.conditioning == "first_frame":
+        cond, mask = extras["condition"], extras["mask"]
+        return (1.0 - mask) * cond + mask * latents
+    if kind.vace:
+        return latents[:, :, g.reference_images:]
+    return latents
 
 
 def _outputs(result: Any) -> list[Any]:

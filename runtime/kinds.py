@@ -5,13 +5,18 @@ is a row here (plus its detection rule in export/source.py). The six diffusers
 configurations map onto these rows:
 
     kind        diffusers pipeline                                  checkpoints
-    t2v         WanPipeline                                         Wan2.1-T2V-1.3B / -14B
+    t2v         WanPipeline (WanVideoToVideoPipeline: + video in)   Wan2.1-T2V-1.3B / -14B
     t2v-moe     WanPipeline + transformer_2 + boundary_ratio        Wan2.2-T2V-A14B
     ti2v        WanPipeline / WanImageToVideoPipeline,              Wan2.2-TI2V-5B (text, or text + image)
                 expand_timesteps
     i2v         WanImageToVideoPipeline + CLIP image encoder        Wan2.1-I2V-14B-480P / -720P
     flf2v       i2v with pos_embed_seq_len (first + last frame)     Wan2.1-FLF2V-14B-720P
     i2v-moe     WanImageToVideoPipeline + transformer_2, no CLIP    Wan2.2-I2V-A14B
+    vace        WanVACEPipeline (WanVACETransformer3DModel)         Wan2.1-VACE-1.3B / -14B
+    vace-moe    WanVACEPipeline + transformer_2 + boundary_ratio    Wan2.2-VACE-Fun-A14B
+
+Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
+capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
 
 Conditioning modes (how the image enters the denoising loop):
 
@@ -21,6 +26,10 @@ Conditioning modes (how the image enters the denoising loop):
 - "first_frame": the image's VAE latent replaces latent frame 0 in the DiT input and after the
   loop, and that frame's tokens get timestep 0 (per-token timesteps). Without an image, every token
   gets the step's timestep and nothing is replaced: the same program does text-to-video.
+- "vace": the DiT's VACE branch takes `control` (the VAE latents of the video's inactive and reactive
+  parts, and of the reference images before them, with the mask folded 8x8 onto the latent grid) and
+  `control_scale` (one per VACE layer); the noisy latents have one leading frame per reference image,
+  dropped before the decode (runtime/conditioning.py builds `control` as diffusers' WanVACEPipeline does).
 """
 
 from __future__ import annotations
@@ -42,13 +51,26 @@ class Kind:
     image: str  # "none" | "optional" | "required"
     last_image: bool  # takes (and needs) a last frame too (FLF2V)
     image_encoder: bool  # CLIP vision stage feeding the DiT's image cross-attention
-    conditioning: str  # "none" | "concat" | "first_frame" (see the module docstring)
+    conditioning: str  # "none" | "concat" | "first_frame" | "vace" (see the module docstring)
     fps: int = 16  # the family's native frame rate (the mp4 default)
+    video: str = "none"  # "none" | "optional": a control video (with a mask and reference images)
 
     @property
     def vae_encode(self) -> str:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
-        return {"none": "", "first_frame": "image", "concat": "video"}[self.conditioning]
+        return {"none": "", "first_frame": "image", "concat": "video", "vace": "video"}[self.conditioning]
+
+    @property
+    def vace(self) -> bool:
+        """The DiT is a WanVACETransformer3DModel: VACE blocks beside the main ones, their hints added after the main
+        blocks their `vace_layers` name."""
+        return self.conditioning == "vace"
+
+    @property
+    def reference_images(self) -> bool:
+        """Takes reference images (VACE): each one more latent frame before the video's, so the DiT's programs
+        are traced per count of them (Geometry.reference_images)."""
+        return self.vace
 
     @property
     def expert_groups(self) -> tuple[str, ...]:
@@ -57,7 +79,8 @@ class Kind:
     @property
     def conditioning_inputs(self) -> tuple[str, ...]:
         """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
-        return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask")}[self.conditioning]
+        return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
+                "vace": ("control", "control_scale")}[self.conditioning]
 
     @property
     def kv_inputs(self) -> tuple[str, ...]:
@@ -70,7 +93,8 @@ class Kind:
         before the cross_kv programs existed, whose steps took the text (and CLIP image) embeddings."""
         return self.conditioning_inputs + (("image_embeds",) if self.image_encoder else ())
 
-    def stages(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False) -> tuple[str, ...]:
+    def stages(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False,
+               video_to_video: bool = False) -> tuple[str, ...]:
         """The programs a bundle of this kind holds, in the order they run (bundles exported before the
         denoise variants other than "cfg" existed hold only that one, and the runtime falls back to it; those
         exported before the cross_kv programs existed have none, and their steps take the embeddings; those
@@ -79,9 +103,10 @@ class Kind:
         out = [text_encoder_program(n, max_sequence_length) for n in text_lengths(max_sequence_length)]
         if self.image_encoder:
             out.append("image_encoder")
-        if self.vae_encode:
+        encode = "video" if video_to_video else self.vae_encode
+        if encode:
             out.append("vae_encode_first")
-            if self.vae_encode == "video" and latent_frames > 1:
+            if encode == "video" and latent_frames > 1:
                 out.append("vae_encode_next")
         rows = [None, *(short_text_lengths(max_sequence_length) if short_prompts else ())]
         out += [cross_kv_program(e, t) for e in range(self.experts) for t in rows]
@@ -105,6 +130,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          image_encoder=True, conditioning="concat"),
     Kind("i2v-moe", "Wan 2.2 image-to-video, two experts", experts=2, image="required", last_image=False,
          image_encoder=False, conditioning="concat"),
+    Kind("vace", "Wan VACE (control video, mask, reference images)", experts=1, image="none", last_image=False,
+         image_encoder=False, conditioning="vace", video="optional"),
+    Kind("vace-moe", "Wan 2.2 VACE, two experts", experts=2, image="none", last_image=False, image_encoder=False,
+         conditioning="vace", video="optional"),
 )}
 
 
@@ -238,3 +267,18 @@ def check_images(kind: Kind, image: object, last_image: object) -> None:
         raise UserError("a last image needs a first image too (--image)")
     if kind.last_image and image is not None and last_image is None:
         raise UserError(f"this bundle is {kind.title}: it needs a last image too (--last-image FILE / last_image=...)")
+
+
+def check_videos(kind: Kind, video_to_video: bool, video: object, mask: object, reference_images: object) -> None:
+    """Refuse video inputs a bundle does not take, in one line (`video_to_video`: a text-to-video bundle exported
+    with the VAE encoder, Manifest.video_to_video)."""
+    takes_video = kind.video != "none" or video_to_video
+    if video is not None and not takes_video:
+        also = " (export a text-to-video model with --video-to-video for video-to-video)" \
+            if kind.conditioning == "none" else ""
+        raise UserError(f"this bundle is {kind.title}: it takes no video{also}")
+    if mask is not None and not kind.vace:
+        raise UserError(f"this bundle is {kind.title}: it takes no mask (masks are for VACE models)")
+    if reference_images and not kind.reference_images:
+        raise UserError(f"this bundle is {kind.title}: it takes no reference images (they are for VACE models)")
+

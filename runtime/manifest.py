@@ -45,7 +45,9 @@ from .errors import BundleError
 #   8: quantized weights: Manifest.quantize (the --quantize mode or null) and WeightFile.quantized (each quantized
 #      tensor -> its mode; its scale is the tensor "<name>_scale", export/quantize.py).
 #   9: samplers (runtime/samplers.py): the denoise programs take the timestep as float32 (Euler's are fractional;
-#      older programs take int32), and Defaults has the run's sampler, custom sigmas and second guidance.
+#      older programs take int32), and Defaults has the run's sampler, custom sigmas and second guidance. Video in:
+#      the VACE kinds, Geometry.reference_images (their DiT programs' extra leading latent frames, per count), and
+#      Manifest.video_to_video (a text-to-video bundle with the VAE encoder for a source video).
 SCHEMA_VERSION = 9
 MANIFEST_FILE = "manifest.json"
 SCALE_SUFFIX = "_scale"  # a quantized tensor's per-row scale is the tensor "<name>_scale" (export/quantize.py)
@@ -253,9 +255,17 @@ class Geometry:
     text_dim: int
     temporal_scale: int
     spatial_scale: int
+    reference_images: int = 0  # VACE: reference images, each a latent frame before the video's (kinds.Kind.vace)
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int, int]:
+        """The denoised latents: the video's latent frames, after the reference images' (VACE)."""
+        return (self.batch, self.latent_channels, self.reference_images + self.latent_frames, self.latent_height,
+                self.latent_width)
+
+    @property
+    def video_latent_shape(self) -> tuple[int, int, int, int, int]:
+        """The video's latents, what the VAE decodes (the reference images' frames dropped)."""
         return (self.batch, self.latent_channels, self.latent_frames, self.latent_height, self.latent_width)
 
     @property
@@ -269,16 +279,27 @@ class Geometry:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """(width, height, frames): what a bundle's shapes are told apart by."""
+        """(width, height, frames): the video a shape makes."""
         return (self.width, self.height, self.frames)
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """(width, height, frames, reference images): what a bundle's shapes are told apart by."""
+        return (*self.shape, self.reference_images)
+
+    def describe(self) -> str:
+        """"64x32 x 9 frames" (", 1 reference image" where it takes some)."""
+        refs = self.reference_images
+        return f"{self.size} x {self.frames} frames" + (f", {refs} reference image{'s' * (refs > 1)}" if refs else "")
 
 
 def shape_suffix(scope: str, g: Geometry, default: Geometry) -> str:
     """What the names of shape `g`'s programs of scope `scope` (kinds.shape_scope) end with in a bundle whose default
     shape is `default`: nothing for the default shape, or where the scope does not tell the two apart; else
-    "@<W>x<H>x<F>" ("video") or "@<W>x<H>" ("size")."""
-    if scope == "video" and g.shape != default.shape:
-        return f"{kinds.SHAPE_SEPARATOR}{g.width}x{g.height}x{g.frames}"
+    "@<W>x<H>x<F>" ("video"; "@<W>x<H>x<F>r<R>" for R reference images) or "@<W>x<H>" ("size")."""
+    if scope == "video" and g.key != default.key:
+        refs = f"r{g.reference_images}" if g.reference_images else ""
+        return f"{kinds.SHAPE_SEPARATOR}{g.width}x{g.height}x{g.frames}{refs}"
     if scope == "size" and g.size != default.size:
         return f"{kinds.SHAPE_SEPARATOR}{g.size}"
     return ""
@@ -315,6 +336,7 @@ class Manifest:
     boundary_ratio: float | None = None  # two experts: expert 1 where t >= boundary_ratio x num_train_timesteps
     image_processor: dict[str, Any] | None = None  # the CLIP stage's preprocessing (runtime/images.py)
     quantize: str | None = None  # the weights' quantization mode (export/quantize.py MODES), None: unquantized
+    video_to_video: bool = False  # a text-to-video kind with the VAE encoder programs for a source video
     bundle_id: str = ""
 
     @property
@@ -332,20 +354,26 @@ class Manifest:
         """The programs a bundle of this kind and these shapes holds (kinds.Kind.stages, named for each shape)."""
         kind, L = kinds.get(self.kind), self.geometry.max_sequence_length
         return tuple(dict.fromkeys(self.program_for(p, g) for g in self.shapes
-                                   for p in kind.stages(g.latent_frames, L, short_prompts)))
+                                   for p in kind.stages(g.latent_frames, L, short_prompts, self.video_to_video)))
 
-    def find_shape(self, width: int | None = None, height: int | None = None, frames: int | None = None
-                   ) -> Geometry | None:
-        """The first of the bundle's shapes with this width, height and frames (None: any), or None."""
+    def find_shape(self, width: int | None = None, height: int | None = None, frames: int | None = None,
+                   reference_images: int | None = None) -> Geometry | None:
+        """The first of the bundle's shapes with this width, height, frames and reference images (None: any), or
+        None."""
         for g in self.shapes:
-            if (width in (None, g.width) and height in (None, g.height) and frames in (None, g.frames)):
+            if (width in (None, g.width) and height in (None, g.height) and frames in (None, g.frames)
+                    and reference_images in (None, g.reference_images)):
                 return g
         return None
 
     def shapes_text(self) -> str:
         """The bundle's shapes for an error message: "64x32 x 9 frames (default), 32x64 x 9 frames"."""
-        return ", ".join(f"{g.size} x {g.frames} frames" + (" (default)" if i == 0 else "")
-                         for i, g in enumerate(self.shapes))
+        return ", ".join(g.describe() + (" (default)" if i == 0 else "") for i, g in enumerate(self.shapes))
+
+    @property
+    def reference_counts(self) -> list[int]:
+        """The reference image counts the bundle's DiT programs serve (VACE; [0] for other kinds)."""
+        return sorted({g.reference_images for g in self.shapes})
 
     def files(self) -> list[FileRef]:
         """Every file the manifest lists, once (the experts' denoise programs share one file)."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import conditioning, host_memory, images, kinds, scheduler, signatures
+from . import conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -27,6 +27,7 @@ from .text import PromptTokenizer
 log = logging.getLogger("runtime")
 
 ImageInput = Any  # a PIL image, a path, or a uint8 (H, W, 3) array (runtime/images.py)
+VideoInput = video_input.VideoInput  # a path, a folder of images, PIL frames or an (F, H, W, 3) array
 
 
 Size = str | tuple[int, int] | None  # "WxH" or (width, height); None: the default shape's
@@ -57,29 +58,36 @@ class Pipeline:
         """The (width, height, frames) this bundle makes, the default first."""
         return [g.shape for g in self.manifest.shapes]
 
-    def shape(self, size: Size = None, frames: int | None = None) -> mf.Geometry:
-        """The bundle's shape of this size ("WxH" or (width, height)) and frame count; what is None is the default
-        shape's (or, for a size whose shapes lack the default's frames, that size's first). UserError naming the
-        bundle's shapes if it has none such."""
+    def shape(self, size: Size = None, frames: int | None = None, reference_images: int | None = None) -> mf.Geometry:
+        """The bundle's shape of this size ("WxH" or (width, height)), frame count and count of reference images
+        (VACE); what is None is the default shape's (or, for a size whose shapes lack the default's frames, that
+        size's first). UserError naming the bundle's shapes (or reference image counts) if it has none such."""
         d = self.geometry
         width, height = parse_size(size) if size is not None else (d.width, d.height)
         if frames is not None and (isinstance(frames, bool) or not isinstance(frames, (int, np.integer))):
             raise UserError(f"frames must be an integer, got {frames!r}")
-        g = self.manifest.find_shape(width, height, d.frames if frames is None else int(frames))
+        refs = d.reference_images if reference_images is None else reference_images
+        g = self.manifest.find_shape(width, height, d.frames if frames is None else int(frames), refs)
         if g is None and frames is None:
-            g = self.manifest.find_shape(width, height)
+            g = self.manifest.find_shape(width, height, None, refs)
         if g is None:
+            counts = self.manifest.reference_counts
+            if refs not in counts and self.manifest.find_shape(width, height, frames) is not None:
+                raise UserError(f"{refs} reference image{'s' * (refs != 1)}: this bundle serves "
+                                f"{' or '.join(map(str, counts))} (export with --reference-images for others)")
             asked = f"{width}x{height} x {frames if frames is not None else d.frames} frames"
             raise UserError(f"this bundle makes no {asked} video: its shapes are {self.manifest.shapes_text()} "
                             "(export one with --resolution/--frames for others)")
         return g
 
-    def shape_of_latents(self, shape: tuple[int, ...]) -> mf.Geometry:
-        """The bundle's shape whose latents have this shape; UserError naming the shapes if none."""
+    def shape_of_latents(self, shape: tuple[int, ...], video: bool = False) -> mf.Geometry:
+        """The bundle's shape whose denoised latents (`video`: the video's latents the VAE decodes, VACE's reference
+        frames dropped) have this shape; UserError naming the shapes if none."""
         for g in self.manifest.shapes:
-            if tuple(shape) == g.latent_shape:
+            if tuple(shape) == (g.video_latent_shape if video else g.latent_shape):
                 return g
-        want = ", ".join(f"{list(g.latent_shape)} ({g.size} x {g.frames} frames)" for g in self.manifest.shapes)
+        want = ", ".join(f"{list(g.video_latent_shape if video else g.latent_shape)} ({g.describe()})"
+                         for g in self.manifest.shapes)
         raise UserError(f"latents have shape {list(shape)}, this bundle needs one of {want}")
 
     def _at(self, program: str, g: mf.Geometry) -> str:
@@ -118,11 +126,25 @@ class Pipeline:
 
     def encode(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
                image: ImageInput | None = None, last_image: ImageInput | None = None, size: Size = None,
-               frames: int | None = None) -> dict[str, np.ndarray]:
+               frames: int | None = None, video: VideoInput | None = None, mask: VideoInput | None = None,
+               reference_images: Sequence[ImageInput] | None = None) -> dict[str, np.ndarray]:
         """Prompt and negative prompt embeddings, float32 (B, L, D), padded positions zero; with an image,
-        also its conditioning (`encode_images`) for the shape `size` x `frames` (the default shape's if None)."""
+        also its conditioning (`encode_images`) for the shape `size` x `frames` (the default shape's if None).
+        VACE kinds: `control` from the `video`, `mask` and `reference_images` (each optional); a video-to-video
+        bundle: `video_latents` of the `video` (conditioning.encode_videos). A video's frame count picks the shape's
+        frames; it is resized to the shape's size."""
         kinds.check_images(self.kind, image, last_image)
-        g = self.shape(size, frames)
+        kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
+        media = self._load_videos(video, mask, reference_images)  # unreadable inputs fail before any program runs
+        if media is not None and media["video"] is not None:
+            n = len(media["video"])
+            if frames is not None and frames != n:
+                raise UserError(f"the video has {n} frames but frames={frames} was asked: give a video of {frames} "
+                                "frames, or leave frames out")
+            frames = n
+        g = self.shape(size, frames, len(media["references"]) if media is not None and self.kind.vace else None)
+        if media is not None:
+            self._check_videos(g, media)
         pil = self._load_images(image, last_image)  # unreadable images fail before any program runs
         prompts = self._prompts(prompt, "prompt") + self._prompts(negative_prompt, "negative_prompt")
         ids, mask = self.tokenizer()(prompts)
@@ -134,7 +156,43 @@ class Pipeline:
         out = {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
         if pil:
             out.update(self._encode_images(g, *pil))
+        if media is not None:
+            out.update(conditioning.encode_videos(self.kind, g, media["video"], media["mask"], media["references"],
+                                                  lambda name: self.bundle.call(self._at(name, g)), fetch,
+                                                  self._encode_chunk(g)))
         return out
+
+    def _load_videos(self, video: VideoInput | None, mask: VideoInput | None,
+                     reference_images: Sequence[ImageInput] | None) -> dict[str, Any] | None:
+        """The video inputs as PIL frames, or None where the run has none (VACE kinds always have some: no video is
+        a zero video)."""
+        if video is None and not self.kind.vace:
+            return None
+        refs = list(reference_images or [])
+        if reference_images is not None and not isinstance(reference_images, (list, tuple)):
+            raise UserError("reference_images must be a list of images (PIL images, paths or uint8 arrays)")
+        return {"video": None if video is None else video_input.load_frames(video, "video"),
+                "mask": None if mask is None else video_input.load_mask(mask, "mask"),
+                "references": [images.load_image(r, f"reference image {i + 1}") for i, r in enumerate(refs)]}
+
+    def _check_videos(self, g: mf.Geometry, media: dict[str, Any]) -> None:
+        video, mask = media["video"], media["mask"]
+        if video is not None and len(video) != g.frames:
+            raise UserError(f"the video has {len(video)} frames; this bundle makes {g.frames} at {g.size}: its shapes "
+                            f"are {self.manifest.shapes_text()}")
+        if mask is not None:
+            want = len(video) if video is not None else g.frames
+            if len(mask) != want:
+                raise UserError(f"the mask has {len(mask)} frames, the {'video' if video else 'shape'} {want}: give "
+                                "one mask frame per video frame")
+            if video is not None and mask[0].size != video[0].size:
+                raise UserError(f"the mask is {mask[0].width}x{mask[0].height}, the video "
+                                f"{video[0].width}x{video[0].height}: give a mask of the video's size")
+
+    def _encode_chunk(self, g: mf.Geometry) -> int:
+        """The pixel frames per call of shape `g`'s vae_encode_next program (0 if it has none)."""
+        name = self._at("vae_encode_next", g)
+        return self.manifest.programs[name].inputs["pixels"].shape[2] if name in self.manifest.programs else 0
 
     def _text_length(self, tokens: int) -> int:
         """The shortest text encoder program of this bundle that holds `tokens` (kinds.text_lengths; bundles
@@ -160,11 +218,9 @@ class Pipeline:
         return [first, images.load_image(last_image, "last image") if last_image is not None else None]
 
     def _encode_images(self, g: mf.Geometry, first: Any, last: Any | None) -> dict[str, np.ndarray]:
-        chunk = 0
-        if self._at("vae_encode_next", g) in self.manifest.programs:
-            chunk = self.manifest.programs[self._at("vae_encode_next", g)].inputs["pixels"].shape[2]
         return conditioning.encode_images(self.kind, g, self.manifest.image_processor, first, last,
-                                          lambda name: self.bundle.call(self._at(name, g)), fetch, chunk)
+                                          lambda name: self.bundle.call(self._at(name, g)), fetch,
+                                          self._encode_chunk(g))
 
     # -- denoise ------------------------------------------------------------
     def settings(self, seed: int = 0, steps: int | None = None, guidance: float | None = None,
@@ -203,20 +259,27 @@ class Pipeline:
         bundle exported since they exist) rather than the embeddings (older bundles)."""
         return kinds.cross_kv_program(0) in self.manifest.programs
 
-    def _conditioning(self, embeds: dict[str, np.ndarray], g: mf.Geometry) -> dict[str, np.ndarray]:
-        """The image inputs of the denoise (and cross_kv) programs of shape `g`, by name (kind.denoise_extras), from
-        `embeds`; text mode of a "first_frame" kind without one."""
+    def _conditioning(self, embeds: dict[str, np.ndarray], g: mf.Geometry,
+                      conditioning_scale: Any = None) -> dict[str, np.ndarray]:
+        """The conditioning inputs of the denoise (and cross_kv) programs of shape `g`, by name (kind.denoise_extras),
+        from `embeds`; text mode of a "first_frame" kind without one; a VACE kind's `control_scale` from
+        `conditioning_scale`."""
         programs = self.manifest.programs
         specs = dict(programs[self._at(kinds.denoise_program(0), g)].inputs)
         if self.precomputes_kv():
             specs.update(programs[kinds.cross_kv_program(0)].inputs)
         if self.kind.conditioning == "first_frame" and "condition" not in embeds:  # TI2V as text-to-video
             embeds = {**embeds, **conditioning.text_mode(self.kind, {k: v.shape for k, v in specs.items()})}
+        if self.kind.vace:
+            scale = 1.0 if conditioning_scale is None else conditioning_scale
+            embeds = {**embeds, "control_scale": conditioning.control_scale(scale, specs["control_scale"].shape[0])}
+        elif conditioning_scale is not None:
+            raise UserError(f"conditioning_scale is for VACE models; this bundle is {self.kind.title}")
         out = {}
         for name in self.kind.denoise_extras:
             if name not in embeds:
                 raise UserError(f"this bundle is {self.kind.title}: the embeddings have no {name!r}; encode with "
-                                "the image (--image / image=...)")
+                                f"the {'video inputs' if self.kind.vace else 'image (--image / image=...)'}")
             value = np.asarray(embeds[name], np.float32)
             if value.shape != specs[name].shape:
                 also = f" at {g.size} x {g.frames} frames (encode with the same size and frames)" \
@@ -285,8 +348,10 @@ class Pipeline:
                 latents: np.ndarray | None = None, progress: bool = True,
                 on_step: Callable[[int], None] | None = None, guidance_2: float | None = None,
                 magcache: MagCache | None = None, size: Size = None, frames: int | None = None,
-                sampler: str | None = None, sigmas: Sequence[float] | None = None) -> np.ndarray:
-        """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s).
+                sampler: str | None = None, sigmas: Sequence[float] | None = None,
+                conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
+                noise: np.ndarray | None = None) -> np.ndarray:
+        """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s), what the VAE decodes.
 
         The shape is that of `latents` if given; else `size` x `frames`; else, with image conditioning in `embeds`,
         the shape it was encoded for; else the default shape.
@@ -297,22 +362,31 @@ class Pipeline:
         guidance is <= 1 run the DiT on the prompt alone. `magcache` skips the transformer blocks on the
         steps its schedule says (runtime/magcache.py). `sampler` and `sigmas`: see `settings`.
         `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
+
+        VACE: `conditioning_scale` (default 1), a number or one per VACE layer, scales the VACE blocks' hints.
+        Video-to-video (embeds with `video_latents`): `strength` in (0, 1] (default 0.8, diffusers') picks the step
+        the run starts at (`samplers.start_step`; only the steps after it run), where the video's latents are mixed
+        with `noise` (B, z, T, h, w) (the Gaussian noise diffusers would draw, for reproducing it; default: from
+        `seed`); `latents`, if given, start the run as they are.
         """
         return self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, on_step, guidance_2,
-                             magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas)
+                             magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
+                             conditioning_scale=conditioning_scale, strength=strength, noise=noise)
 
     def calibrate(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, flow_shift: float | None = None, latents: np.ndarray | None = None,
                   progress: bool = True, guidance_2: float | None = None, size: Size = None,
                   frames: int | None = None, sampler: str | None = None,
-                  sigmas: Sequence[float] | None = None) -> list[float]:
+                  sigmas: Sequence[float] | None = None,
+                  conditioning_scale: float | Sequence[float] | None = None) -> list[float]:
         """MagCache's ratios for this bundle and these settings, as diffusers' calibration mode computes them:
         every step runs in full; step i's ratio is the mean over tokens of |residual_i| / |residual_i-1| on the
         prompt (cond) half, 1.0 on each expert's first step."""
         ratios: list[float] = []
         everything = MagCache([1.0], threshold=0.0, max_skip_steps=0, retention_ratio=1.0)  # never skips
         self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, None, guidance_2, everything,
-                      calibration=ratios, size=size, frames=frames, sampler=sampler, sigmas=sigmas)
+                      calibration=ratios, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
+                      conditioning_scale=conditioning_scale)
         return ratios
 
     def _denoise(self, embeds: dict[str, np.ndarray], seed: int, steps: int | None, guidance: float | None,
@@ -320,26 +394,34 @@ class Pipeline:
                  on_step: Callable[[int], None] | None, guidance_2: float | None, magcache: MagCache | None,
                  calibration: list[float] | None = None, size: Size = None, frames: int | None = None,
                  stop_after: int | None = None, sampler: str | None = None,
-                 sigmas: Sequence[float] | None = None) -> np.ndarray:
+                 sigmas: Sequence[float] | None = None, conditioning_scale: Any = None, strength: float | None = None,
+                 noise: np.ndarray | None = None) -> np.ndarray:
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         if magcache is not None and not isinstance(magcache, MagCache):
             raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
         g = self.denoise_shape(embeds, latents, size, frames)
+        start = self.start_step(embeds, s, strength)
+        if noise is not None and "video_latents" not in embeds:
+            raise UserError("noise is for video-to-video (a video given to encode): other runs take `latents`")
         for key in ("prompt_embeds", "negative_prompt_embeds"):
             if key not in embeds:
                 raise UserError(f"embeds has no {key!r}")
             if tuple(np.shape(embeds[key])) != g.embeds_shape:
                 raise UserError(f"{key} has shape {list(np.shape(embeds[key]))}, "
                                 f"this bundle needs {list(g.embeds_shape)}")
-        extras = self._conditioning(embeds, g)
+        extras = self._conditioning(embeds, g, conditioning_scale)
+        plan = s.plan(self.scheduler_config, start)
+        if latents is None and "video_latents" in embeds:  # video-to-video: the video's latents, noised
+            latents = conditioning.noised(self._video_latents(embeds, g), self._noise(noise, s.seed, g),
+                                          float(plan.sigmas[0]))
         if latents is None:
             latents = self.initial_latents(s.seed, g)
         latents = np.asarray(latents, np.float32)
         if not np.isfinite(latents).all():
             raise UserError("initial latents contain NaN or inf")
 
-        plan = s.plan(self.scheduler_config)
-        programs = self.step_programs(s.steps, plan.timesteps, s, magcache, g)
+        run = len(plan.timesteps)
+        programs = self.step_programs(run, plan.timesteps, s, magcache, g)
         timestep_of = self._timestep_cast(programs[0], s)
         order = self.scheduler_config.solver_order
         state = np.zeros((scheduler.state_rows(order), *g.latent_shape), np.float32)
@@ -359,7 +441,7 @@ class Pipeline:
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         residual = norms = None
         expert_before = -1
-        for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress or not is_primary()):
+        for i in tqdm(range(run), desc="denoising", unit="step", disable=not progress or not is_primary()):
             name = programs[i]
             variant = kinds.denoise_variant(name)
             e = self.expert_of(float(plan.timesteps[i]))
@@ -380,7 +462,7 @@ class Pipeline:
                 residual = outs[2]
             if not bool(fetch(finite)):
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
-                                f"{s.steps}: check the weights, guidance ({guidances[e]}) and dtype")
+                                f"{run}: check the weights, guidance ({guidances[e]}) and dtype")
             if calibration is not None:
                 now = fetch(jnp.linalg.norm(residual[: g.batch].astype(jnp.float32), axis=-1))
                 calibration.append(magcache_rule.calibration_ratio(now, norms if e == expert_before else None))
@@ -390,7 +472,36 @@ class Pipeline:
             if stop_after is not None and i + 1 == stop_after:
                 return fetch(state_dev).astype(np.float32)  # every row of the scheduler's state
         out = fetch(state_dev)[0].astype(np.float32)
-        return conditioning.restore_first_frame(self.kind, extras, out)
+        return conditioning.after_loop(self.kind, extras, out, g)
+
+    def start_step(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None) -> int:
+        """The first of the schedule's steps a run takes: 0, or for video-to-video (embeds with `video_latents`) the
+        one `strength` picks (samplers.start_step); UserError for a bad strength or one that leaves no step."""
+        if "video_latents" not in embeds:
+            if strength is not None:
+                raise UserError("strength is for video-to-video (a video given to encode)")
+            return 0
+        strength = 0.8 if strength is None else strength
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
+            raise UserError(f"strength must be a number in (0, 1], got {strength!r}")
+        start = samplers.start_step(s.steps, strength)
+        if start >= s.steps:
+            raise UserError(f"strength {strength:g} of {s.steps} steps runs no step: raise the strength or the steps")
+        return start
+
+    def _video_latents(self, embeds: dict[str, Any], g: mf.Geometry) -> np.ndarray:
+        value = np.asarray(embeds["video_latents"], np.float32)
+        if value.shape != g.latent_shape:
+            raise UserError(f"video_latents has shape {list(value.shape)}, this shape needs {list(g.latent_shape)}")
+        return value
+
+    def _noise(self, noise: np.ndarray | None, seed: int, g: mf.Geometry) -> np.ndarray:
+        if noise is None:
+            return self.initial_latents(seed, g)
+        noise = np.asarray(noise, np.float32)
+        if noise.shape != g.latent_shape or not np.isfinite(noise).all():
+            raise UserError(f"noise must be finite, of shape {list(g.latent_shape)} (got {list(noise.shape)})")
+        return noise
 
     def first_velocity(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                        guidance: float | None = None, flow_shift: float | None = None,
@@ -415,10 +526,20 @@ class Pipeline:
         default shape."""
         if latents is not None:
             g = self.shape_of_latents(np.shape(latents))
-            if (size is not None or frames is not None) and self.shape(size, frames) != g:
-                raise UserError(f"latents of shape {list(np.shape(latents))} are for {g.size} x {g.frames} frames, "
+            if (size is not None or frames is not None) and self.shape(size, frames, g.reference_images) != g:
+                raise UserError(f"latents of shape {list(np.shape(latents))} are for {g.describe()}, "
                                 f"not the size/frames asked for")
             return g
+        by_tensor = {"control": "latent_shape", "video_latents": "latent_shape"}  # (B, C, frames, h, w) says the shape
+        for key, attr in by_tensor.items():
+            if isinstance(embeds, dict) and key in embeds:
+                found = [g for g in self.manifest.shapes if getattr(g, attr)[2:] == tuple(np.shape(embeds[key]))[2:]
+                         and (size is None or self.shape(size, frames, g.reference_images).key == g.key)]
+                if len(found) == 1 or (found and size is not None):
+                    return found[0]
+                if len(found) > 1:
+                    raise UserError(f"{key} fits several of this bundle's shapes ({', '.join(g.describe() for g in found)})"
+                                    ": give size and frames")
         if size is not None or frames is not None or len(self.manifest.shapes) == 1:
             return self.shape(size, frames)
         condition = embeds.get("condition") if isinstance(embeds, dict) else None
@@ -432,9 +553,10 @@ class Pipeline:
 
     # -- decode -------------------------------------------------------------
     def decode(self, latents: np.ndarray) -> np.ndarray:
-        """float32 frames (B, F, H, W, 3) in [0, 1], at the shape of the latents."""
+        """float32 frames (B, F, H, W, 3) in [0, 1], at the shape of the latents (the video's: what `denoise`
+        returns)."""
         latents = np.asarray(latents, np.float32)
-        g = self.shape_of_latents(latents.shape)
+        g = self.shape_of_latents(latents.shape, video=True)
         host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
         first = self.bundle.call(self._at("vae_decode_first", g))
         frames, caches = first(latents[:, :, 0:1])
@@ -463,16 +585,18 @@ class Pipeline:
                       guidance: float | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
                       magcache: MagCache | None = None, prompt: str | Sequence[str] | None = None,
                       negative_prompt: str | Sequence[str] = "", size: Size = None, frames: int | None = None,
-                      sampler: str | None = None, sigmas: Sequence[float] | None = None) -> None:
+                      sampler: str | None = None, sigmas: Sequence[float] | None = None,
+                      reference_images: int | None = None) -> None:
         """Start loading, in the background, the stages a run with these settings uses before its first step
-        (the denoise programs it runs, the image encoders only with an `image`), so that the DiT's weights are
+        (the denoise programs it runs, the image and video encoders only with `image` true: a run with an image or
+        a video), so that the DiT's weights are
         read while the prompt is encoded; what `generate` does first. With the `prompt` (and `negative_prompt`),
         the cross-attention programs for its length (`text_rows`); without, the whole text's. The VAE decoder
         loads when it is needed: in the background it would compete with the denoising steps for the cores
-        (measured: step 1 done 4 s later on 2 cores). The programs are those of shape `size` x `frames`. Raises
-        UserError for bad settings, before any work starts."""
+        (measured: step 1 done 4 s later on 2 cores). The programs are those of shape `size` x `frames` (with
+        `reference_images`, VACE). Raises UserError for bad settings, before any work starts."""
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
-        g = self.shape(size, frames)
+        g = self.shape(size, frames, reference_images)
         plan = s.plan(self.scheduler_config)
         denoising = self.step_programs(s.steps, plan.timesteps, s, magcache, g)
         self._timestep_cast(denoising[0], s)  # a sampler the bundle's programs cannot run fails before any work
@@ -497,24 +621,39 @@ class Pipeline:
                  flow_shift: float | None = None, latents: np.ndarray | None = None,
                  progress: bool = True, magcache: MagCache | None = None, low_memory: bool = False,
                  size: Size = None, frames: int | None = None, sampler: str | None = None,
-                 sigmas: Sequence[float] | None = None) -> np.ndarray:
-        """prompt (+ image) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick one of the
-        bundle's shapes (`shapes`; the default one where None); `latents` is the initial noise, as diffusers'
-        `latents` argument: (B, z, T, H/s, W/s), and picks the shape itself. `magcache`: see `denoise`. `sampler`
-        ("unipc", "euler", "dpm++") and `sigmas` (custom noise levels, one per step): see `settings`.
+                 sigmas: Sequence[float] | None = None, video: VideoInput | None = None,
+                 mask: VideoInput | None = None, reference_images: Sequence[ImageInput] | None = None,
+                 conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
+                 noise: np.ndarray | None = None) -> np.ndarray:
+        """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
+        one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
+        `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
+        itself. `magcache`: see `denoise`. `sampler` ("unipc", "euler", "dpm++") and `sigmas` (custom noise levels,
+        one per step): see `settings`. VACE kinds: `video` (the control or source frames), `mask` (1 = generate,
+        0 = keep) and `reference_images` (a list), each optional, and `conditioning_scale`; video-to-video bundles:
+        `video`, `strength` and `noise` (see `denoise`). A video is a path (mp4, webm, gif, a folder of numbered
+        images), a list of PIL images or an (F, H, W, 3) array (runtime/video_input.py).
         `low_memory`: drop each stage's weights once the run is past it (`unload_before`), as a process making one
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
         again."""
-        g = self.denoise_shape({}, latents, size, frames)
+        kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
+        media = self._load_videos(video, mask, reference_images)
+        if media is not None and media["video"] is not None and frames is None:
+            frames = len(media["video"])
+        refs = len(media["references"]) if media is not None and self.kind.vace else None
+        g = self.denoise_shape({}, latents, size, frames) if latents is not None else self.shape(size, frames, refs)
         size, frames = g.size, g.frames
-        self.start_loading(image is not None, seed, steps, guidance, flow_shift, guidance_2, magcache, prompt,
-                           negative_prompt, size, frames, sampler, sigmas)
+        self.start_loading(image is not None or media is not None, seed, steps, guidance, flow_shift, guidance_2,
+                           magcache, prompt, negative_prompt, size, frames, sampler, sigmas, g.reference_images)
         try:
-            embeds = self.encode(prompt, negative_prompt, image, last_image, size, frames)
+            embeds = self.encode(prompt, negative_prompt, image, last_image, size, frames,
+                                 **({} if media is None else {"video": media["video"], "mask": media["mask"],
+                                                              "reference_images": media["references"]}))
             if low_memory:
                 self.unload_before("denoise")
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
-                               magcache=magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas)
+                               magcache=magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
+                               conditioning_scale=conditioning_scale, strength=strength, noise=noise)
             if low_memory:
                 self.unload_before("decode")
             return self.decode(out)

@@ -76,23 +76,31 @@ def parse_sigmas(text: str | None) -> tuple[float, ...] | None:
     return check_sigmas(values)
 
 
-def plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas = None) -> Plan:
+def plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas = None, start: int = 0) -> Plan:
     """Timesteps, sigmas and one coefficient row per step of `sampler` (rows in the layout of `config`'s state
-    order). Memoized, read-only arrays; ValueError for a bad argument (settings.resolve checks them first)."""
+    order). With `start`, the steps from `start` on, the solver's history beginning there (video-to-video's
+    `strength`; `start_step`). Memoized, read-only arrays; ValueError for a bad argument (settings.resolve checks
+    them first)."""
     sigmas = None if sigmas is None else tuple(float(s) for s in sigmas)
-    return _plan(sampler, steps, float(shift), config, sigmas)
+    return _plan(sampler, steps, float(shift), config, sigmas, start)
+
+
+def start_step(steps: int, strength: float) -> int:
+    """The first of `steps` steps a video-to-video run at `strength` takes (diffusers' get_timesteps):
+    steps - min(int(steps x strength), steps)."""
+    return steps - min(int(steps * strength), steps)
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas) -> Plan:
+def _plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Sigmas, start: int) -> Plan:
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}")
-    if steps < 1 or (sigmas is not None and len(sigmas) != steps):
-        raise ValueError("steps must be >= 1, and one sigma per step")
+    if steps < 1 or (sigmas is not None and len(sigmas) != steps) or not 0 <= start < steps:
+        raise ValueError("steps must be >= 1, one sigma per step, and the start a step")
     if not shift > 0:
         raise ValueError("flow shift must be > 0")
     if sampler == "unipc":
-        return scheduler.plan(steps, shift, config, sigmas)
+        return scheduler.plan(steps, shift, config, sigmas, start)
     if sampler == "euler":
         timesteps, sig = euler_sigmas(steps, shift, config.num_train_timesteps, sigmas)
         rows = np.zeros((steps, scheduler.row_size(config.solver_order)), np.float64)
@@ -105,8 +113,9 @@ def _plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: S
             row[0] = s[i]
     else:
         timesteps, sig = dpm_sigmas(steps, shift, config.num_train_timesteps, sigmas)
-        rows = dpm_rows(sig, config.solver_order)
-    return _frozen(Plan(timesteps=timesteps.astype(np.float32), sigmas=sig, coeffs=rows.astype(np.float32)))
+        rows = dpm_rows(sig, config.solver_order, start)
+    return _frozen(Plan(timesteps=timesteps[start:].astype(np.float32), sigmas=sig[start:],
+                        coeffs=rows[start:].astype(np.float32)))
 
 
 def euler_sigmas(steps: int, shift: float, num_train_timesteps: int, sigmas: Sigmas) -> tuple[np.ndarray, np.ndarray]:
@@ -142,10 +151,10 @@ def dpm_sigmas(steps: int, shift: float, num_train_timesteps: int, sigmas: Sigma
     return timesteps, np.concatenate([s, [0.0]]).astype(np.float32)
 
 
-def dpm_rows(sigmas32: np.ndarray, order: int) -> np.ndarray:
-    """DPM-Solver++ (flow, data prediction, midpoint) rows: first order on the first step and on the last
-    (final sigma zero), second order (multistep, from m_i and m_{i-1}) between; computed from the float32 sigmas as
-    diffusers computes them."""
+def dpm_rows(sigmas32: np.ndarray, order: int, start: int = 0) -> np.ndarray:
+    """DPM-Solver++ (flow, data prediction, midpoint) rows: first order on the first step run (`start`) and on the
+    last (final sigma zero), second order (multistep, from m_i and m_{i-1}) between; computed from the float32 sigmas
+    as diffusers computes them."""
     if order < 2:
         raise UserError("this bundle's step programs keep no earlier model output (its UniPC solver_order is 1), "
                         "which dpm++ (second order) needs: use sampler unipc or euler")
@@ -163,7 +172,7 @@ def dpm_rows(sigmas32: np.ndarray, order: int) -> np.ndarray:
             e = np.expm1(-h)  # exp(-h) - 1
             p[0] = s[i + 1] / s[i]  # sigma_t / sigma_s0
             p[1] = -alpha_t * e  # D0 = m_i
-            if i > 0 and i < steps - 1 and DPM_ORDER == 2:
+            if start < i < steps - 1 and DPM_ORDER == 2:
                 r0 = (lam[i] - lam[i - 1]) / h
                 if math.isfinite(r0) and r0 != 0:  # an infinite h_0 (a first sigma of 1) makes D1 vanish
                     d1 = -0.5 * alpha_t * e / r0  # D1 = (m_i - m_{i-1}) / r0

@@ -148,9 +148,11 @@ def _bh_terms(h: float, order: int, solver_type: str, rks: list[float]) -> tuple
 
 
 @functools.lru_cache(maxsize=16)
-def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] | None = None) -> Plan:
+def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] | None = None, start: int = 0) -> Plan:
     """Coefficient rows for `steps` denoising steps at flow shift `shift` (custom `sigmas`: one per step, before the
-    shift), memoized: settings checks and the loop ask for the same plan; its arrays are read-only."""
+    shift), memoized: settings checks and the loop ask for the same plan; its arrays are read-only. With `start`, the
+    steps from `start` on of that schedule, the solver's history beginning there (as diffusers' scheduler runs the
+    timesteps a video-to-video `strength` leaves: its first step has no corrector and order 1)."""
     if steps < 1:
         raise ValueError("steps must be >= 1")
     if not shift > 0:
@@ -160,14 +162,14 @@ def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] |
     sig = sigmas32.astype(np.float64)  # diffusers computes from the float32 sigmas
     lam = [_lambda(s) for s in sig]
     rows = np.zeros((steps, row_size(K)), dtype=np.float64)
-    orders = [min(K, steps - i if cfg.lower_order_final else K, i + 1) for i in range(steps)]
-    for i in range(steps):
+    orders = [min(K, steps - i if cfg.lower_order_final else K, i - start + 1) for i in range(steps)]
+    for i in range(start, steps):
         row = rows[i]
         row[0] = sig[i]
         c = row[1:1 + K + 3]  # x_i, xprev, m_i, m_{i-1}..m_{i-K}
         p = row[1 + K + 3:]  # xc, m_i, m_{i-1}..m_{i-K+1}
         # Corrector: refines x_i using m_i, based on xc_{i-1} and the order of step i-1.
-        if i > 0 and (i - 1) not in cfg.disable_corrector:
+        if i > start and (i - 1) not in cfg.disable_corrector:
             order = orders[i - 1]
             h = lam[i] - lam[i - 1]
             rks = [(lam[i - 1 - k] - lam[i - 1]) / h for k in range(1, order)]
@@ -198,7 +200,8 @@ def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] |
                 w = -alpha_t * b_h * rhos_p[k - 1] / rk
                 p[1 + k] += w
                 p[1] -= w
-    out = Plan(timesteps=timesteps.astype(np.float32), sigmas=sigmas32, coeffs=rows.astype(np.float32))
+    out = Plan(timesteps=timesteps[start:].astype(np.float32), sigmas=sigmas32[start:],
+               coeffs=rows[start:].astype(np.float32))
     for a in (out.timesteps, out.sigmas, out.coeffs):
         a.setflags(write=False)
     return out

@@ -39,9 +39,9 @@ class DenoiseSettings:
     def guidance_of(self, expert: int) -> float:
         return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
 
-    def plan(self, config: scheduler.UniPCConfig) -> scheduler.Plan:
-        """The timesteps and coefficient rows of these settings (runtime/samplers.py)."""
-        return samplers.plan(self.sampler, self.steps, self.flow_shift, config, self.sigmas)
+    def plan(self, config: scheduler.UniPCConfig, start: int = 0) -> scheduler.Plan:
+        """The timesteps and coefficient rows of these settings (runtime/samplers.py), from step `start` on."""
+        return samplers.plan(self.sampler, self.steps, self.flow_shift, config, self.sigmas, start)
 
 
 def resolve(defaults: Defaults, kind: Kind, config: scheduler.UniPCConfig, seed: int = 0, steps: int | None = None,
