@@ -82,6 +82,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                          pipeline="i2v", experts=2, boundary_ratio=0.9),
 }
 
+VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
+
 _WORDS = (
     "a an the of in on at with and or to from by for is are cat dog robot city street night "
     "day sky sea water fire light dark red blue green white black small big walking running "
@@ -157,6 +159,13 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         torch.manual_seed(3)
         parts.update(transformer_2=dit(**spec["transformer"]).eval(),
                      boundary_ratio=spec["boundary_ratio"])
+    if pipeline == "vace":  # a random VAE barely tells one video from another: amplify the VACE branch so that the
+        for model in (parts["transformer"], parts.get("transformer_2")):  # control visibly changes the video
+            if model is not None:
+                with torch.no_grad():
+                    model.vace_patch_embedding.weight.mul_(VACE_GAIN)
+                    for block in model.vace_blocks:
+                        block.proj_out.weight.mul_(VACE_GAIN)
     if spec.get("expand_timesteps"):
         parts["expand_timesteps"] = True
     if pipeline in ("t2v", "vace", "v2v"):

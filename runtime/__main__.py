@@ -89,6 +89,39 @@ def _image_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--last-image", type=Path, default=None, help="last frame (first-last-frame bundles)")
 
 
+def _video_args(p: argparse.ArgumentParser, inputs: bool = True, settings: bool = True) -> None:
+    v = p.add_argument_group("video in (VACE bundles; video-to-video bundles take --video and --strength)")
+    if inputs:
+        v.add_argument("--video", type=Path, default=None,
+                       help="control or source video: mp4, webm, gif or a folder of numbered images; its frame count "
+                            "picks the shape's frames, its frames are resized to the shape's size")
+        v.add_argument("--mask", type=Path, default=None, help="VACE: mask video, white = generate, black = keep "
+                                                               "(default: generate everything)")
+        v.add_argument("--reference-image", type=Path, action="append", default=None, metavar="FILE",
+                       help="VACE: a reference image (repeatable; the bundle serves the counts it was exported with)")
+    if settings:
+        v.add_argument("--conditioning-scale", type=float, default=None,
+                       help="VACE: scale of the VACE branch's hints (default 1)")
+        v.add_argument("--strength", type=float, default=None,
+                       help="video-to-video: how much of the source video is replaced, in (0, 1] (default 0.8): "
+                            "the steps after the first int(steps x (1 - strength)) run")
+
+
+def video_args(args: argparse.Namespace) -> dict:
+    """The video inputs the flags name, read (PIL frames), as generate/encode take them; {} if none."""
+    from .images import load_image
+    from .video_input import load_frames, load_mask
+
+    out: dict = {}
+    if getattr(args, "video", None) is not None:
+        out["video"] = load_frames(args.video, "--video")
+    if getattr(args, "mask", None) is not None:
+        out["mask"] = load_mask(args.mask, "--mask")
+    if getattr(args, "reference_image", None):
+        out["reference_images"] = [load_image(p, f"--reference-image {p}") for p in args.reference_image]
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative-prompt", default="")
     _image_args(g)
+    _video_args(g)
     _shape_args(g)
     _denoise_args(g)
     _magcache_args(g)
@@ -125,6 +159,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt", required=True)
     e.add_argument("--negative-prompt", default="")
     _image_args(e)
+    _video_args(e, settings=False)
     _shape_args(e)
     _lora_args(e)
     e.add_argument("--out", type=Path, required=True, help="embeddings (and image conditioning), safetensors")
@@ -136,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
                                                               "(their shape picks the bundle's shape)")
     _shape_args(d)
     _denoise_args(d)
+    _video_args(d, inputs=False)
     _magcache_args(d)
     _lora_args(d)
     d.add_argument("--out", type=Path, required=True)
@@ -146,6 +182,7 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--prompt", required=True)
     cal.add_argument("--negative-prompt", default="")
     _image_args(cal)
+    _video_args(cal)
     _shape_args(cal)
     _denoise_args(cal)
     _lora_args(cal)
@@ -239,11 +276,16 @@ def run(args: argparse.Namespace) -> int:
             from .images import load_image
 
             setattr(args, name, load_image(getattr(args, name), "--" + name.replace("_", "-")))
+    videos = video_args(args)  # unreadable videos fail before the bundle is loaded
     pipe = load(args.bundle, loras=loras_from_args(args))
     g = pipe.geometry
     shape = {"size": getattr(args, "size", None), "frames": getattr(args, "frames", None)}
     if args.command != "decode":  # a shape the bundle lacks fails before any work
-        pipe.shape(**shape)
+        from . import kinds
+
+        kinds.check_videos(pipe.kind, pipe.manifest.video_to_video, videos.get("video"), videos.get("mask"),
+                           videos.get("reference_images"))
+        pipe.shape_for_videos(shape["size"], shape["frames"], videos.get("video"), videos.get("reference_images"))
     latent_shapes = [s.latent_shape for s in pipe.manifest.shapes]
     log = logging.getLogger("runtime")
     progress = not args.quiet
@@ -253,9 +295,11 @@ def run(args: argparse.Namespace) -> int:
                                    seed=args.seed, steps=args.steps, guidance=args.guidance,
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
                                    magcache=magcache, low_memory=True, sampler=args.sampler, sigmas=args.sigmas,
+                                   **videos, conditioning_scale=args.conditioning_scale, strength=args.strength,
                                    **shape)  # one video per process
         else:
-            latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": latent_shapes})[0]["latents"]
+            video_shapes = [s.video_latent_shape for s in pipe.manifest.shapes]  # what denoise writes
+            latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": video_shapes})[0]["latents"]
             frames = pipe.decode(latents)
         if not primary:
             return
@@ -267,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("wrote %s", path)
     elif args.command == "encode":
         embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
-                             **shape)
+                             **videos, **shape)
         if primary:
             im.save(args.out, im.EMBEDS, embeds, pipe.bundle_id, {"prompt": args.prompt,
                                                                   "negative_prompt": args.negative_prompt,
@@ -284,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
             init = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": latent_shapes})[0]["latents"]
         latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, latents=init, progress=progress,
                                guidance_2=s.guidance_2, magcache=magcache, sampler=s.sampler, sigmas=s.sigmas,
-                               **shape)
+                               conditioning_scale=args.conditioning_scale, strength=args.strength, **shape)
         if primary:
             meta = {**s.to_json(), **({"magcache": magcache.to_json()} if magcache else {})}
             im.save(args.out, im.LATENTS, {"latents": latents}, pipe.bundle_id, meta)
@@ -293,9 +337,10 @@ def run(args: argparse.Namespace) -> int:
         s = pipe.settings(args.seed, args.steps, args.guidance, args.flow_shift, args.guidance_2, args.sampler,
                           args.sigmas)
         embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
-                             **shape)
+                             **videos, **shape)
         ratios = pipe.calibrate(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=progress,
-                                guidance_2=s.guidance_2, sampler=s.sampler, sigmas=s.sigmas, **shape)
+                                guidance_2=s.guidance_2, sampler=s.sampler, sigmas=s.sigmas,
+                                conditioning_scale=args.conditioning_scale, **shape)
         if primary:
             from .files import atomic_path
 

@@ -80,6 +80,25 @@ class Pipeline:
                             "(export one with --resolution/--frames for others)")
         return g
 
+    def shape_for_videos(self, size: Size = None, frames: int | None = None, video: Sequence[Any] | None = None,
+                         reference_images: Sequence[Any] | None = None) -> mf.Geometry:
+        """The shape a run with these video inputs makes: `video`'s frame count is the shape's frames (it must agree
+        with `frames`), and a VACE bundle's shape has as many reference image frames as `reference_images`.
+        UserError naming what the bundle makes otherwise."""
+        if video is not None:
+            n = len(video)
+            if frames is not None and frames != n:
+                raise UserError(f"the video has {n} frames but frames={frames} was asked: give a video of {frames} "
+                                "frames, or leave frames out")
+            counts = [g.frames for g in self.manifest.shapes]
+            if n not in counts:
+                raise UserError(f"the video has {n} frames; this bundle makes {' or '.join(map(str, sorted(set(counts))))}"
+                                f" (its shapes: {self.manifest.shapes_text()}): trim or pad the video, or export with "
+                                "--frames for its count (4k+1)")
+            frames = n
+        refs = len(reference_images or []) if self.kind.vace else None
+        return self.shape(size, frames, refs)
+
     def shape_of_latents(self, shape: tuple[int, ...], video: bool = False) -> mf.Geometry:
         """The bundle's shape whose denoised latents (`video`: the video's latents the VAE decodes, VACE's reference
         frames dropped) have this shape; UserError naming the shapes if none."""
@@ -136,13 +155,7 @@ class Pipeline:
         kinds.check_images(self.kind, image, last_image)
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)  # unreadable inputs fail before any program runs
-        if media is not None and media["video"] is not None:
-            n = len(media["video"])
-            if frames is not None and frames != n:
-                raise UserError(f"the video has {n} frames but frames={frames} was asked: give a video of {frames} "
-                                "frames, or leave frames out")
-            frames = n
-        g = self.shape(size, frames, len(media["references"]) if media is not None and self.kind.vace else None)
+        g = self.shape_for_videos(size, frames, *((media["video"], media["references"]) if media else ()))
         if media is not None:
             self._check_videos(g, media)
         pil = self._load_images(image, last_image)  # unreadable images fail before any program runs
@@ -183,8 +196,8 @@ class Pipeline:
         if mask is not None:
             want = len(video) if video is not None else g.frames
             if len(mask) != want:
-                raise UserError(f"the mask has {len(mask)} frames, the {'video' if video else 'shape'} {want}: give "
-                                "one mask frame per video frame")
+                raise UserError(f"the mask has {len(mask)} frame{'s' * (len(mask) != 1)}, the "
+                                f"{'video' if video else 'shape'} {want}: give one mask frame per video frame")
             if video is not None and mask[0].size != video[0].size:
                 raise UserError(f"the mask is {mask[0].width}x{mask[0].height}, the video "
                                 f"{video[0].width}x{video[0].height}: give a mask of the video's size")
@@ -638,10 +651,8 @@ class Pipeline:
         again."""
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)
-        if media is not None and media["video"] is not None and frames is None:
-            frames = len(media["video"])
-        refs = len(media["references"]) if media is not None and self.kind.vace else None
-        g = self.denoise_shape({}, latents, size, frames) if latents is not None else self.shape(size, frames, refs)
+        g = self.denoise_shape({}, latents, size, frames) if latents is not None else \
+            self.shape_for_videos(size, frames, *((media["video"], media["references"]) if media else ()))
         size, frames = g.size, g.frames
         self.start_loading(image is not None or media is not None, seed, steps, guidance, flow_shift, guidance_2,
                            magcache, prompt, negative_prompt, size, frames, sampler, sigmas, g.reference_images)

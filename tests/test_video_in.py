@@ -1,0 +1,256 @@
+"""Video in: VACE (control video, mask, reference images; one and two experts) and video-to-video against diffusers'
+WanVACEPipeline and WanVideoToVideoPipeline on tiny models saved with save_pretrained (fp32, the same initial latents
+or noise), the same frames on 1 and 8 devices, the CLI with an mp4 control video, and what bad input says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime.errors import UserError
+
+from .conftest import ROOT, in_parallel, run_cli, run_module, run_modules, test_image
+
+PROMPT = "a boat sailing across a stormy sea"
+NEGATIVE = "blurry"
+FP32_TOL = 1e-4
+# (variant, resolution, frames, max sequence length, extra export arguments)
+CASES = {
+    "vace": ("tiny-vace", "64x32", 9, 16, ["--reference-images", "0,1"]),
+    "vace-moe": ("tiny-vace-moe", "32x32", 5, 16, ["--reference-images", "2"]),
+    "v2v": ("tiny-v2v", "64x32", 9, 16, []),
+}
+
+
+@pytest.fixture(scope="module")
+def video_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    from export import tiny
+
+    root = tmp_path_factory.mktemp("video-in-checkpoints")
+    return {case: tiny.save(variant, root / case) for case, (variant, *_) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def bundles(video_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("video-in-bundles")
+    out = {case: root / case for case in CASES}
+    run_modules(*[["export", "--model", str(video_checkpoints[case]), "--resolution", res, "--frames", str(frames),
+                   "--dtype", "fp32", "--max-sequence-length", str(max_len), *extra, "--out", str(out[case]), "-q"]
+                  for case, (_, res, frames, max_len, extra) in CASES.items()])
+    return out
+
+
+def _video(frames: int, width: int, height: int, seed: int = 0) -> list:
+    """Structured frames (moving gradients plus noise), as PIL images."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    out = []
+    for t in range(frames):
+        base = np.stack([(x * 4 + t * 9) % 256, (y * 6 + t * 5) % 256, (x + y + t * 13) % 256], axis=-1)
+        out.append(Image.fromarray(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)))
+    return out
+
+
+def _mask(frames: int, width: int, height: int) -> list:
+    """A moving box to generate (white) in a kept (black) frame, greyscale."""
+    from PIL import Image
+
+    out = []
+    for t in range(frames):
+        m = np.zeros((height, width), np.uint8)
+        m[height // 4: 3 * height // 4, t * 2: t * 2 + width // 2] = 255
+        out.append(Image.fromarray(m, mode="L"))
+    return out
+
+
+def _diffusers(checkpoint: Path, cls: str):
+    import torch
+    import diffusers
+
+    ref = getattr(diffusers, cls).from_pretrained(str(checkpoint), dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    return ref
+
+
+@pytest.mark.parametrize("case,inputs,guidance_2", [
+    ("vace", "video+mask+reference", None),
+    ("vace", "control", None),
+    ("vace-moe", "video+mask+2 references", 3.0),  # both experts run: timesteps 999, 900 | 750, 500
+])
+def test_vace_matches_diffusers(case, inputs, guidance_2, bundles, video_checkpoints) -> None:
+    import torch
+
+    _, res, frames, max_len, _ = CASES[case]
+    width, height = map(int, res.split("x"))
+    kw: dict = {"video": _video(frames, width, height)}
+    if "mask" in inputs:
+        kw["mask"] = _mask(frames, width, height)
+    n_refs = 2 if "2 references" in inputs else 1 if "reference" in inputs else 0
+    if n_refs:
+        kw["reference_images"] = [test_image(40 + 9 * i, 50 - 7 * i, seed=i) for i in range(n_refs)]
+    pipe = runtime.load(bundles[case])
+    g = pipe.shape(None, frames, n_refs)
+    init = pipe.initial_latents(5, g)
+    ours = pipe.generate(PROMPT, NEGATIVE, seed=5, steps=4, guidance=5.0, guidance_2=guidance_2, progress=False, **kw)
+    extra = {} if guidance_2 is None else {"guidance_scale_2": guidance_2}
+    with torch.no_grad():
+        want = _diffusers(video_checkpoints[case], "WanVACEPipeline")(
+            prompt=PROMPT, negative_prompt=NEGATIVE, height=height, width=width, num_frames=frames,
+            num_inference_steps=4, guidance_scale=5.0, max_sequence_length=max_len, output_type="np",
+            latents=torch.from_numpy(init.copy()), **extra, **kw).frames
+    assert ours.shape == want.shape == (1, frames, height, width, 3)
+    assert np.abs(ours - want).max() <= FP32_TOL
+    # the control mattered: without it (a zero video, no mask, no reference) the video differs
+    plain = pipe.generate(PROMPT, NEGATIVE, seed=5, steps=4, guidance=5.0, guidance_2=guidance_2, progress=False,
+                          latents=pipe.initial_latents(5, pipe.shape(None, frames, 0))) if n_refs == 0 else None
+    if plain is not None:
+        assert np.abs(plain - ours).max() > 1e-3
+
+
+def test_vace_conditioning_scale_is_per_layer_as_diffusers(bundles, video_checkpoints) -> None:
+    import torch
+
+    _, res, frames, max_len, _ = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    pipe = runtime.load(bundles["vace"])
+    video = _video(frames, width, height, seed=2)
+    init = pipe.initial_latents(1, pipe.shape(None, frames, 0))
+    ours = pipe.generate(PROMPT, seed=1, steps=3, guidance=1.0, video=video, conditioning_scale=[0.3, 1.7],
+                         progress=False)
+    with torch.no_grad():
+        want = _diffusers(video_checkpoints["vace"], "WanVACEPipeline")(
+            prompt=PROMPT, height=height, width=width, num_frames=frames, num_inference_steps=3, guidance_scale=1.0,
+            max_sequence_length=max_len, output_type="np", latents=torch.from_numpy(init.copy()), video=video,
+            conditioning_scale=[0.3, 1.7]).frames
+    assert np.abs(ours - want).max() <= FP32_TOL
+    with pytest.raises(UserError, match="conditioning_scale must be a number or a list of 2 numbers"):
+        pipe.generate(PROMPT, steps=1, video=video, conditioning_scale=[1.0, 2.0, 3.0], progress=False)
+
+
+@pytest.mark.parametrize("sampler,steps,strength", [("unipc", 5, 0.6), ("euler", 4, 0.6)])
+def test_video_to_video_matches_diffusers(sampler, steps, strength, bundles, video_checkpoints) -> None:
+    """The same Gaussian noise (`noise=`, what diffusers' randn_tensor draws from the same generator): the video's
+    latents noised at the step strength picks, then the remaining steps."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.utils.torch_utils import randn_tensor
+
+    _, res, frames, max_len, _ = CASES["v2v"]
+    width, height = map(int, res.split("x"))
+    pipe = runtime.load(bundles["v2v"])
+    assert pipe.manifest.video_to_video and "vae_encode_next" in pipe.manifest.programs
+    video = _video(frames, width, height, seed=3)
+    shape = pipe.geometry.latent_shape
+    noise = randn_tensor(shape, generator=torch.Generator().manual_seed(4), dtype=torch.float32)
+    ours = pipe.generate(PROMPT, NEGATIVE, steps=steps, guidance=5.0, video=video, strength=strength,
+                         noise=noise.numpy(), sampler=sampler, progress=False)
+    ref = _diffusers(video_checkpoints["v2v"], "WanVideoToVideoPipeline")
+    if sampler == "euler":
+        ref.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.manifest.defaults.flow_shift)
+    with torch.no_grad():
+        want = ref(prompt=PROMPT, negative_prompt=NEGATIVE, video=video, height=height, width=width,
+                   num_inference_steps=steps, guidance_scale=5.0, strength=strength, max_sequence_length=max_len,
+                   generator=torch.Generator().manual_seed(4), output_type="np").frames
+    assert ours.shape == want.shape
+    assert np.abs(ours - want).max() <= FP32_TOL
+    # the strength and the video both matter
+    weaker = pipe.generate(PROMPT, NEGATIVE, steps=steps, guidance=5.0, video=video, strength=0.3,
+                           noise=noise.numpy(), sampler=sampler, progress=False)
+    other = pipe.generate(PROMPT, NEGATIVE, steps=steps, guidance=5.0, video=_video(frames, width, height, seed=8),
+                          strength=strength, noise=noise.numpy(), sampler=sampler, progress=False)
+    assert np.abs(weaker - ours).max() > 1e-3 and np.abs(other - ours).max() > 1e-3
+
+
+def _write_frames(frames: list, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, f in enumerate(frames):
+        f.save(folder / f"frame{i}.png")  # frame10 after frame9: natural order
+    return folder
+
+
+def test_same_frames_on_1_and_8_devices_and_the_cli_reads_an_mp4(bundles, video_checkpoints, tmp_path) -> None:
+    """The VACE bundle exported for cpu-8 makes the frames of the one-device bundle (1e-5), from a folder of frames,
+    a mask folder and a reference image; the CLI's --video reads an mp4 as the Python API does."""
+    import imageio.v2 as imageio
+    from safetensors.numpy import load_file
+
+    _, res, frames, max_len, extra = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    eight = tmp_path / "cpu8"
+    run_module("export", "--model", str(video_checkpoints["vace"]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), *extra, "--target", "cpu-8", "--out",
+               str(eight), "-q")
+    video = _write_frames(_video(frames, width, height, seed=6), tmp_path / "video")
+    mask = _write_frames(_mask(frames, width, height), tmp_path / "mask")
+    test_image(30, 30, seed=9).save(tmp_path / "ref.png")
+    args = ["--prompt", PROMPT, "--steps", "3", "--seed", "2", "--video", str(video), "--mask", str(mask),
+            "--reference-image", str(tmp_path / "ref.png"), "-q"]
+    in_parallel(lambda: run_module("runtime", "generate", str(bundles["vace"]), *args, "--out",
+                                   str(tmp_path / "one.mp4"), "--frames-out", str(tmp_path / "one.safetensors")),
+                lambda: run_module("runtime", "generate", str(eight), *args, "--out", str(tmp_path / "eight.mp4"),
+                                   "--frames-out", str(tmp_path / "eight.safetensors"),
+                                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))
+    one, eight_frames = (load_file(str(tmp_path / f"{n}.safetensors"))["frames"] for n in ("one", "eight"))
+    assert one.shape == (1, frames, height, width, 3)
+    assert np.abs(one - eight_frames).max() <= 1e-5
+    # an mp4 control video through the CLI: the frames the Python API makes from the same file
+    mp4 = tmp_path / "control.mp4"
+    imageio.mimwrite(str(mp4), [np.asarray(f) for f in _video(frames, width, height, seed=7)], fps=16,
+                     macro_block_size=1)
+    run_module("runtime", "generate", str(bundles["vace"]), "--prompt", PROMPT, "--steps", "2", "--video", str(mp4),
+               "--out", str(tmp_path / "cli.mp4"), "--frames-out", str(tmp_path / "cli.safetensors"), "-q")
+    pipe = runtime.load(bundles["vace"])
+    api = pipe.generate(PROMPT, steps=2, video=str(mp4), progress=False)
+    np.testing.assert_allclose(load_file(str(tmp_path / "cli.safetensors"))["frames"], api, rtol=0, atol=1e-6)
+    assert (tmp_path / "cli.mp4").stat().st_size > 0
+
+
+def test_bad_video_input_is_one_line_and_writes_nothing(bundles, tmp_path) -> None:
+    _, res, frames, _, _ = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    video = _write_frames(_video(frames, width, height), tmp_path / "video")
+    short = _write_frames(_video(frames - 4, width, height), tmp_path / "short")
+    wrong_size = _write_frames(_mask(frames, width // 2, height), tmp_path / "small-mask")
+    few = _write_frames(_mask(frames - 1, width, height), tmp_path / "few-mask")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all")
+    test_image(20, 20).save(tmp_path / "ref.png")
+    ref = ["--reference-image", str(tmp_path / "ref.png")]
+    out = tmp_path / "o.mp4"
+    cases = [
+        ("vace", ["--video", str(tmp_path / "broken.mp4")], "error: --video: cannot read broken.mp4 as a video"),
+        ("vace", ["--video", str(tmp_path / "empty")], "error: --video: folder"),
+        ("vace", ["--video", str(short)], f"error: the video has {frames - 4} frames; this bundle makes {frames}"),
+        ("vace", ["--video", str(video), "--mask", str(wrong_size)],
+         f"error: the mask is {width // 2}x{height}, the video {width}x{height}"),
+        ("vace", ["--video", str(video), "--mask", str(few)], f"error: the mask has {frames - 1} frames, the video"),
+        ("vace", [*ref, *ref], "error: 2 reference images: this bundle serves 0 or 1"),
+        ("v2v", ["--video", str(video), "--strength", "1.5"], "error: strength must be a number in (0, 1]"),
+        ("v2v", ["--video", str(video), "--strength", "0"], "error: strength must be a number in (0, 1]"),
+        ("v2v", ["--video", str(video), "--mask", str(few)], "error: this bundle is Wan 2.1 text-to-video: it takes no "
+                                                             "mask"),
+    ]
+    for case, args, message in cases:
+        proc = run_cli("runtime", "generate", str(bundles[case]), "--prompt", "a", "--steps", "2", *args, "--out",
+                       str(out), check=False)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
+        assert not out.exists()
+
+
+def test_a_video_to_a_bundle_that_takes_none_is_refused(tmp_path) -> None:
+    bundle = ROOT / "artifacts" / "golden" / "schema-9" / "bundle"  # Wan 2.1 text-to-video, no VAE encoder
+    video = _write_frames(_video(5, 32, 32), tmp_path / "video")
+    proc = run_cli("runtime", "generate", str(bundle), "--prompt", "a", "--video", str(video),
+                   "--out", str(tmp_path / "o.mp4"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: this bundle is Wan 2.1 text-to-video: it takes no video (export a "
+                                   "text-to-video model with --video-to-video for video-to-video)")
+    pipe = runtime.load(bundle)
+    with pytest.raises(UserError, match="it takes no video"):
+        pipe.generate("a", video=str(video), progress=False)
