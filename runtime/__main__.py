@@ -344,8 +344,8 @@ def serve(args: argparse.Namespace) -> int:
     from .errors import UserError
     from .pipeline import load
     from .serve import follower as mh
-    from .serve.app import Settings
-    from .serve.app import serve as run_server
+    from .serve.server import serve as run_server
+    from .serve.state import Settings
 
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 1..65535")

@@ -215,7 +215,7 @@ def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: 
     r = httpx.post(tiny_server.url + "/v1/videos", content=b"{not json", headers={
         "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    from runtime.serve.app import MAX_BODY_BYTES
+    from runtime.serve.schema import MAX_BODY_BYTES
 
     r = httpx.post(tiny_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
                    content=b" " * (MAX_BODY_BYTES + 1))
