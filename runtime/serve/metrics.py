@@ -8,6 +8,14 @@ from typing import Any
 
 from .jobs import JobStore
 
+# Request metrics are labelled with these methods and the route templates only: a label made of what a client sent
+# would grow a series per made-up method.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
+def method_label(method: str) -> str:
+    return method if method in METHODS else "other"
+
 
 @dataclass
 class Metrics:

@@ -25,6 +25,7 @@ class Settings:
     lease: float = 60.0  # seconds without a heartbeat after which another replica takes a job over
     stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
     ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
+    max_steps: int = 1000  # the most denoising steps a job may ask for (schema.MAX_STEPS at most)
 
 
 @dataclass
@@ -33,12 +34,14 @@ class State:
 
     settings: Settings
     store: JobStore
+    offer: Any = None  # schema.Offer: what a request may ask for (from the manifest, before the weights load)
     pipe: Any = None  # runtime.Pipeline, once loaded and compiled
     ready: threading.Event = field(default_factory=threading.Event)
     draining: threading.Event = field(default_factory=threading.Event)
     idle: threading.Event = field(default_factory=threading.Event)  # set while the worker runs no job
     wake: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
+    on_load_error: Callable[[], Any] = lambda: None  # the bundle failed to load: the process stops (server.py)
     metrics: Any = None
     job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
     broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others

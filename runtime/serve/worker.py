@@ -147,7 +147,8 @@ def load_and_compile(state: State, loader: Callable[[], Any]) -> None:
         state.pipe = pipe
         state.ready.set()
         log.info("ready: %s loaded and compiled in %.1f s", state.settings.bundle, time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001  (reported on /ready and in the log)
+    except Exception as e:  # noqa: BLE001  (one line in the log; the server stops, see server.py)
         state.load_error = f"{type(e).__name__}: {e}"
-        log.error("could not load %s: %s", state.settings.bundle, state.load_error)
+        log.error("could not load %s: %s; stopping (no job could run)", state.settings.bundle, state.load_error)
+        state.on_load_error()
 
