@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schema import MAX_BODY_BYTES, Offer, body_schema
+from .schema import IMAGE_FIELDS, MAX_BODY_BYTES, Offer, body_schema
 
 
 class _Strict(BaseModel):
@@ -135,12 +135,10 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def create_request(offer: Offer) -> dict[str, Any]:
     """The create request's body, for JSON and multipart forms."""
-    return {"required": True, "content": {
-        "application/json": {"schema": body_schema(offer, form=False)},
-        "multipart/form-data": {"schema": body_schema(offer, form=True),
-                                "encoding": {name: {"contentType": "image/*"} for name in ("input_reference",
-                                                                                           "last_image")
-                                             if name in body_schema(offer, form=True)["properties"]}}}}
+    form = body_schema(offer, form=True)
+    images = {name: {"contentType": "image/*"} for name in IMAGE_FIELDS if name in form["properties"]}
+    return {"required": True, "content": {"application/json": {"schema": body_schema(offer, form=False)},
+                                          "multipart/form-data": {"schema": form, "encoding": images}}}
 
 
 VIDEO_LINKS = {op: {"operationId": op, "parameters": {"video_id": "$response.body#/id"}}

@@ -11,6 +11,7 @@ from typing import Any
 
 from .jobs import JobStore
 from .lease import DEFAULT_STALL_S
+from .schema import MAX_STEPS, Offer
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Settings:
     lease: float = 60.0  # seconds without a heartbeat after which another replica takes a job over
     stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
     ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
-    max_steps: int = 1000  # the most denoising steps a job may ask for (schema.MAX_STEPS at most)
+    max_steps: int = MAX_STEPS  # the most denoising steps a job may ask for (MAX_STEPS at most)
 
 
 @dataclass
@@ -34,7 +35,7 @@ class State:
 
     settings: Settings
     store: JobStore
-    offer: Any = None  # schema.Offer: what a request may ask for (from the manifest, before the weights load)
+    offer: Offer | None = None  # what a request may ask for (from the manifest, before the weights load)
     pipe: Any = None  # runtime.Pipeline, once loaded and compiled
     ready: threading.Event = field(default_factory=threading.Event)
     draining: threading.Event = field(default_factory=threading.Event)
