@@ -208,7 +208,7 @@ def parser() -> argparse.ArgumentParser:
                                                        "with a durable job queue")
     _bundle_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("WAN_AOT_API_KEY"),
                    help="clients must send Authorization: Bearer KEY (default: $WAN_AOT_API_KEY)")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
@@ -217,6 +217,8 @@ def parser() -> argparse.ArgumentParser:
                    help="where jobs (SQLite) and videos live; survives restarts (default ./jobs)")
     s.add_argument("--queue-size", type=int, default=16, help="jobs that may wait (in the shared queue); more get 429 "
                                                               "(default 16)")
+    s.add_argument("--max-steps", type=int, default=1000, metavar="N",
+                   help="the most denoising steps a job may ask for, up to 1000; more get 400 (default 1000)")
     r = s.add_argument_group("replicas (several servers, one queue: see runtime/serve/README.md, \"Many replicas\")")
     r.add_argument("--queue", metavar="URL", default=None,
                    help="the job database every replica shares: postgresql://USER:PASSWORD@HOST:PORT/DB (needs the "
@@ -407,13 +409,15 @@ def serve(args: argparse.Namespace) -> int:
     from .errors import UserError
     from .pipeline import load
     from .serve import follower as mh
-    from .serve.app import Settings
-    from .serve.app import serve as run_server
+    from .serve.server import serve as run_server
+    from .serve.state import Settings
 
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 1..65535")
     if args.queue_size < 1:
         raise UserError(f"--queue-size {args.queue_size} must be >= 1")
+    if not 1 <= args.max_steps <= 1000:
+        raise UserError(f"--max-steps {args.max_steps} must be in 1..1000")
     for name in ("lease", "stall"):
         value = getattr(args, name)
         if not (value > 0 and value < float("inf")):
@@ -434,7 +438,8 @@ def serve(args: argparse.Namespace) -> int:
     multi = jax.process_count() > 1
     settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         magcache=magcache_from_args(args), queue=args.queue, videos_url=args.videos_url,
-                        lease=args.lease, stall=args.stall, ui=not args.no_ui)
+                        lease=args.lease, stall=args.stall, ui=not args.no_ui,
+                        max_steps=args.max_steps)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora

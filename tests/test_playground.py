@@ -1,7 +1,7 @@
 """The playground page at `runtime serve`'s GET /, driven in a real browser: Debian's chromium, headless, through
 Playwright for Python with that executable (`.ci/run` installs chromium where it is missing).
 
-On the tiny bundle of two sizes: the page asks for the API key (a wrong one shows the 401's message), fills its
+On the tiny bundle of two sizes: the page asks for the API key first (a wrong one shows the 401's message), fills its
 pickers from the bundle's shapes, creates a job from the form (with the keyboard), shows the progress moving,
 plays the finished video and offers it for download; a prompt made of HTML is shown as text; the page runs no
 inline script; `--no-ui` serves no page.
@@ -9,7 +9,6 @@ inline script; `--no-ui` serves no page.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import time
@@ -41,6 +40,19 @@ def browser() -> Iterator[object]:
 def ui_server(shapes_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serving(shapes_bundle, tmp_path_factory.mktemp("ui") / "jobs", "--api-key", KEY) as server:
         yield server
+
+
+def test_the_page_asks_for_the_key_first(browser, ui_server: Server) -> None:
+    """On a server with a key, before the key is given, the page says it needs one and shows only the key's field:
+    not "Loading the model…", which the ready server is not doing."""
+    page = browser.new_page()
+    page.goto(ui_server.url + "/")
+    key = page.get_by_label("API key")
+    sync_api.expect(key).to_be_visible()
+    sync_api.expect(page.locator("#model")).to_have_text("This server needs an API key.")
+    assert not page.get_by_label("Prompt", exact=True).is_visible()
+    assert page.locator("#key-error").inner_text() == ""  # no error before a key was tried
+    page.close()
 
 
 def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_path: Path) -> None:
@@ -110,8 +122,6 @@ def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_p
     assert listed[0]["prompt"] == HOSTILE and listed[0]["size"] == "32x64" and listed[0]["status"] == "completed"
     assert not problems, problems
 
-    if os.environ.get("WAN_AOT_SCREENSHOT"):  # the README's picture: WAN_AOT_SCREENSHOT=docs/playground.png
-        page.screenshot(path=os.environ["WAN_AOT_SCREENSHOT"], full_page=True)
     page.close()
 
 

@@ -283,7 +283,8 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
     run returns renews a job in progress, rather than landing after `complete` and reading as a takeover."""
     from types import SimpleNamespace
 
-    from runtime.serve import app
+    from runtime.serve import state as st
+    from runtime.serve import worker
     from runtime.serve.storage import Directory
 
     in_flight, completed = threading.Event(), threading.Event()
@@ -308,11 +309,11 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
         assert in_flight.wait(5)  # return while a heartbeat is in flight
         video.write_bytes(b"mp4")
 
-    monkeypatch.setattr(app, "run_job", run_job)
-    state = app.State(settings=SimpleNamespace(stall=10.0), store=Store())
+    monkeypatch.setattr(worker, "run_job", run_job)
+    state = st.State(settings=SimpleNamespace(stall=10.0), store=Store())
     job = SimpleNamespace(id="j", attempts=1, images=[], params={})
     with caplog.at_level("INFO", logger="runtime"):
-        app._run(state, job)
+        worker._run(state, job)
     assert completed.is_set() and (tmp_path / "videos" / "j-1.mp4").read_bytes() == b"mp4"
     assert "job j: completed" in caplog.text and "taken over" not in caplog.text, caplog.text
 

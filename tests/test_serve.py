@@ -151,17 +151,26 @@ def test_api_key_is_required(tiny_server: Server) -> None:
     ({"size": "128x128"}, "size", "size '128x128' is not one this bundle makes: it makes 64x32, 32x64"),
     ({"seconds": "8"}, "seconds", "seconds '8' is not a duration this bundle makes at 64x32: it makes 9 frames "
                                   "(0.5625 s) or 5 frames (0.3125 s) at 16 fps"),
-    ({"size": "32x64", "seconds": "0.4"}, "seconds", "is not a duration this bundle makes at 32x64"),
-    ({"size": "32x64", "seconds": "0.3125", "fps": 8}, "seconds", "it makes 9 frames (1.125 s) or 5 frames"),
-    ({"num_inference_steps": 0}, "num_inference_steps", "steps must be an integer >= 1"),
-    ({"num_inference_steps": "lots"}, "num_inference_steps", "must be an integer"),
-    ({"guidance_scale": -1}, "guidance_scale", "guidance must be a finite number >= 0"),
-    ({"guidance_scale_2": 3}, "guidance_scale_2", "is for two-expert models"),
-    ({"seed": -1}, "seed", "seed must be an integer in"),
-    ({"flow_shift": 1e-30}, "flow_shift", "gives an unusable"),
-    ({"fps": 0}, "fps", "fps must be an integer"),
+    ({"size": "32x64", "seconds": "0.4"}, "seconds", "seconds '0.4' is not a duration this bundle makes at 32x64"),
+    # seconds are durations at the bundle's frame rate, whatever fps the mp4 is written at
+    ({"size": "32x64", "seconds": "0.625", "fps": 8}, "seconds", "seconds '0.625' is not a duration this bundle makes "
+                                                                 "at 32x64: it makes 9 frames (0.5625 s) or 5 frames "
+                                                                 "(0.3125 s) at 16 fps"),
+    ({"size": "64X32"}, "size", "size '64X32' is not one this bundle makes"),
+    # the API's names for the run settings, not the CLI's (steps, guidance, guidance_2, flow shift)
+    ({"num_inference_steps": 0}, "num_inference_steps", "num_inference_steps must be an integer in 1..1000, got 0"),
+    ({"num_inference_steps": 1001}, "num_inference_steps", "num_inference_steps must be an integer in 1..1000"),
+    ({"num_inference_steps": "lots"}, "num_inference_steps", "num_inference_steps must be an integer"),
+    ({"guidance_scale": -1}, "guidance_scale", "guidance_scale must be a finite number >= 0, got -1"),
+    ({"guidance_scale_2": 3}, "guidance_scale_2", "guidance_scale_2 is for two-expert models; this bundle is Wan 2.1 "
+                                                  "text-to-video with one expert: use guidance_scale"),
+    ({"seed": -1}, "seed", "seed must be an integer in 0..4294967295"),
+    ({"flow_shift": 1e-30}, "flow_shift", "flow_shift must be a finite number in 0.01..100, got 1e-30"),
+    ({"fps": 0}, "fps", "fps must be an integer in 1..240"),
     ({"prompt": ""}, "prompt", "prompt is required"),
-    ({"model": "sora-2"}, "model", "is not served here"),
+    ({"prompt": " \n"}, "prompt", "prompt is required"),
+    ({"negative_prompt": "x" * 20_001}, "negative_prompt", "negative_prompt is longer than 20000 characters"),
+    ({"model": "sora-2"}, "model", "model 'sora-2' is not served here"),
     ({"colour": "red"}, "colour", "unknown field"),
 ])
 def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, param: str, message: str) -> None:
@@ -171,7 +180,8 @@ def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, 
     r = httpx.post(tiny_server.url + "/v1/videos", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"].startswith(message), error
+    assert error["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:  # the same through the SDK's multipart form
         tiny_server.client().videos.create(prompt=body.pop("prompt"), extra_body=body)
     assert e.value.body["param"] == param
@@ -193,9 +203,10 @@ def test_portrait_and_landscape_from_one_server(tiny_server: Server, tmp_path: P
     tall = client.videos.create(prompt="a tall tower", size="32x64", seconds="0.3125",
                                 extra_body={"num_inference_steps": 2, "seed": 1})
     wide = client.videos.create(prompt="a wide beach", size="64x32", extra_body={"num_inference_steps": 2})
-    slow = client.videos.create(prompt="a tall tower", size="32x64", seconds="0.625",
-                                extra_body={"num_inference_steps": 2, "fps": 8})  # 5 frames at 8 fps
+    slow = client.videos.create(prompt="a tall tower", size="32x64", seconds="0.3125",
+                                extra_body={"num_inference_steps": 2, "fps": 8})  # 5 frames, played at 8 fps
     assert (tall.size, tall.seconds, wide.size, wide.seconds) == ("32x64", "0.3125", "64x32", "0.5625")
+    assert slow.seconds == "0.625"  # what it makes: 5 frames at 8 fps
     for video, shape in ((tall, (5, 64, 32, 3)), (wide, (9, 32, 64, 3)), (slow, (5, 64, 32, 3))):
         done = _wait(client, video.id, ("completed", "failed"))
         assert done.status == "completed", (done.error, tiny_server.output())
@@ -215,7 +226,7 @@ def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: 
     r = httpx.post(tiny_server.url + "/v1/videos", content=b"{not json", headers={
         "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    from runtime.serve.app import MAX_BODY_BYTES
+    from runtime.serve.schema import MAX_BODY_BYTES
 
     r = httpx.post(tiny_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
                    content=b" " * (MAX_BODY_BYTES + 1))
@@ -310,6 +321,96 @@ def test_non_loopback_needs_a_key(fp32_bundles, tmp_path: Path) -> None:
                       "--jobs-dir", str(tmp_path / "jobs"), check=False, env={"WAN_AOT_API_KEY": ""})
     assert proc.returncode == 2 and "set --api-key (or WAN_AOT_API_KEY), or pass --insecure" in proc.stderr
     assert not (tmp_path / "jobs").exists()
+
+
+def test_a_missing_bundle_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Not a server that answers "still loading" forever: the bundle is read before anything serves."""
+    proc = run_module("runtime", "serve", str(tmp_path / "nope"), "--port", str(_free_port()), "--jobs-dir",
+                      str(tmp_path / "jobs"), check=False, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'nope'} is not a bundle directory: pass the " \
+                                                   "directory `python -m export` wrote\n", proc.stderr
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(fp32_bundles, tmp_path: Path) -> None:
+    """The port is bound before anything loads: one line, exit 2 (never 3, which asks a supervisor to restart)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_module("runtime", "serve", str(fp32_bundles["tiny-64x32-f9"]), "--port", str(port), "--jobs-dir",
+                          str(tmp_path / "jobs"), check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: port {port} on 127.0.0.1 is in use: Address already in use (stop what listens " \
+                          "there, or pass another --port)\n", proc.stderr
+    assert not (tmp_path / "jobs").exists()  # nothing opened, nothing loaded
+
+
+def test_a_bundle_that_fails_to_load_stops_the_server(fp32_bundles, tmp_path: Path) -> None:
+    """A weight file damaged after export is found while loading: no job could ever run, so the server logs one line
+    and exits with status 4 (not 3, the stall that a restart may cure), instead of serving "still loading"."""
+    import shutil
+
+    bundle = tmp_path / "damaged"
+    shutil.copytree(fp32_bundles["tiny-64x32-f9"], bundle)
+    weights = bundle / "weights" / "vae.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    server = Server(bundle, tmp_path / "jobs")
+    try:
+        assert server.proc.wait(timeout=180) == 4, server.output()
+    finally:
+        server.stop(signal.SIGKILL)
+    log = Path(server.log.name).read_text()
+    failed = [line for line in log.splitlines() if "could not load" in line]
+    assert failed == [f"runtime: could not load {bundle}: BundleError: bundle file weights/vae.safetensors does not "
+                      "match its sha256 in the manifest (tampered or truncated): re-copy or re-export the bundle; "
+                      "stopping (no job could run)"], log
+    assert "Traceback" not in log and "RuntimeError" not in log, log
+
+
+def test_serve_flags(tmp_path: Path) -> None:
+    import re
+
+    from .conftest import run_cli
+
+    usage = run_cli("runtime", "serve", "--help").stdout
+    assert re.search(r"--port PORT\s+port to listen on \(default 8000\)", usage), usage
+    proc = run_cli("runtime", "serve", str(tmp_path), "--max-steps", "0", check=False)
+    assert (proc.returncode, proc.stderr) == (2, "error: --max-steps 0 must be in 1..1000\n")
+
+
+def test_the_default_jobs_dir_is_git_ignored() -> None:
+    for path in ("jobs/jobs.sqlite3", "jobs/videos/video_1.mp4"):
+        proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        if proc.returncode == 128:
+            pytest.skip("not a git checkout")
+        assert proc.returncode == 0, path  # 1: `python -m runtime serve` in the checkout leaves jobs/ untracked
+
+
+def test_refused_requests_are_labelled_with_their_route_and_405_says_allow(tiny_server: Server) -> None:
+    """/metrics labels a request the middleware answered (a 401 before routing) with the route it was for, `other`
+    only for a path no route has; methods outside HTTP's are one `other` label; a 405 lists the methods in Allow;
+    a body neither JSON nor a form is a 415."""
+    import httpx
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(tiny_server.url + "/v1/videos").status_code == 401
+    assert httpx.request("BREW", tiny_server.url + "/v1/models").status_code == 401
+    assert httpx.get(tiny_server.url + "/nowhere", headers=auth).status_code == 404
+    r = httpx.request("PUT", tiny_server.url + "/v1/videos/video_x", headers=auth)
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.post(tiny_server.url + "/v1/videos", content=b"prompt=a", headers={
+        **auth, "Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    metrics = httpx.get(tiny_server.url + "/metrics").text
+    for labels in ('method="GET",route="/v1/videos",status="401"', 'method="other",route="/v1/models",status="401"',
+                   'method="GET",route="other",status="404"', 'method="PUT",route="/v1/videos/{video_id}",status="405"',
+                   'method="POST",route="/v1/videos",status="415"'):
+        assert f"wan_aot_request_seconds_count{{{labels}}}" in metrics, labels
+    assert 'method="BREW"' not in metrics
 
 
 def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None:

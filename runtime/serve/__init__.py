@@ -1,10 +1,16 @@
 """`python -m runtime serve`: a bundle behind the OpenAI videos API, on one server or many replicas.
 
-    app.py       the HTTP app, request parsing, the worker that runs claimed jobs
-    jobs.py      the job queue: claims under a lease, writes fenced by (job, owner, attempt)
-    db.py        its database: SQLite under the jobs directory, or PostgreSQL shared by replicas
-    storage.py   videos and uploaded images: a (shared) directory or an object store
-    lease.py     a running job's heartbeat, and giving up when it stalls
-    follower.py  processes 1..N-1 of a multi-host slice, running process 0's jobs
-    ui/          the playground page served at GET / (HTML, CSS and a script; the public API only)
+    server.py      the process: binds the port, starts the loader and the worker, runs the app, drains on SIGTERM
+    routes.py      the HTTP app: the routes, the API key, the body limit, error answers
+    schema.py      the create request: its fields (types, limits, enums), read from JSON or multipart, checked
+    errors.py      ApiError, answered in the OpenAI error shape
+    state.py       the settings, and what the routes and the worker share
+    worker.py      loads the bundle, then runs claimed jobs one at a time under a lease
+    metrics.py     the Prometheus metrics at /metrics
+    playground.py  the playground page at GET / (static files in ui/: HTML, CSS and a script; the public API only)
+    jobs.py        the job queue: claims under a lease, writes fenced by (job, owner, attempt)
+    db.py          its database: SQLite under the jobs directory, or PostgreSQL shared by replicas
+    storage.py     videos and uploaded images: a (shared) directory or an object store
+    lease.py       a running job's heartbeat, and giving up when it stalls
+    follower.py    processes 1..N-1 of a multi-host slice, running process 0's jobs
 """

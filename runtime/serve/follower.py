@@ -47,7 +47,7 @@ def send(message: dict[str, Any] | None) -> None:
 
 def follow(pipe: Any) -> int:
     """Processes 1..N-1: run every job process 0 sends, until it says stop."""
-    from .app import run_job
+    from .worker import run_job
 
     log.info("following process 0's jobs")
     while True:

@@ -34,6 +34,7 @@ async function api(path, options = {}) {
 
 function askForKey(message) {
   stopPolling();
+  $("model").textContent = "This server needs an API key.";
   $("generate").hidden = true;
   $("key-form").hidden = false;
   $("key-error").textContent = message || "";
@@ -80,8 +81,14 @@ async function start() {
     showModel(list.data[0]);
     startPolling();
   } catch (e) {
-    if (e.status === 401) askForKey(sessionStorage.getItem(KEY) ? e.message : "");
-    else $("model").textContent = "The server cannot be reached: " + e.message;
+    if (e.status === 401) {
+      askForKey(sessionStorage.getItem(KEY) ? e.message : "");
+    } else if (e.status === 503) { // loading (or draining): say so, and ask again
+      $("model").textContent = e.message.includes("loading") ? "Loading the model…" : e.message;
+      setTimeout(start, 2000);
+    } else {
+      $("model").textContent = "The server cannot be reached: " + e.message;
+    }
   }
 }
 

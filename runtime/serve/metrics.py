@@ -1,0 +1,59 @@
+"""The Prometheus metrics `GET /metrics` serves: the shared queue, jobs by status, step, job and request times."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .jobs import JobStore
+
+# Request metrics are labelled with these methods and the route templates only: a label made of what a client sent
+# would grow a series per made-up method.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
+def method_label(method: str) -> str:
+    return method if method in METHODS else "other"
+
+
+@dataclass
+class Metrics:
+    registry: Any
+    queue_depth: Any
+    jobs: Any
+    step_seconds: Any
+    job_seconds: Any
+    request_seconds: Any
+    replica_jobs: Any
+
+
+def make_metrics(store: JobStore) -> Metrics:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    reg = CollectorRegistry()
+    counts: dict[str, Any] = {"at": 0.0, "value": {}}
+
+    def count(status: str) -> int:  # one query per scrape, shared by the gauges
+        if time.monotonic() - counts["at"] > 0.5:
+            counts["value"], counts["at"] = store.counts(), time.monotonic()
+        return counts["value"][status]
+
+    queue = Gauge("wan_aot_queue_depth", "jobs waiting to run, in the queue every replica shares", registry=reg)
+    queue.set_function(lambda: count("queued"))
+    jobs = Gauge("wan_aot_jobs", "jobs in the shared store, by status", ["status"], registry=reg)
+    for status in ("queued", "in_progress", "completed", "failed"):
+        jobs.labels(status).set_function(lambda s=status: count(s))
+    replica = Counter("wan_aot_replica_jobs", "jobs this replica ran, by outcome (lost: taken over by another)",
+                      ["outcome"], registry=reg)
+    for outcome in ("completed", "failed", "lost"):
+        replica.labels(outcome)
+    buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+    return Metrics(
+        registry=reg, queue_depth=queue, jobs=jobs,
+        step_seconds=Histogram("wan_aot_step_seconds", "one denoising step", registry=reg, buckets=buckets),
+        job_seconds=Histogram("wan_aot_job_seconds", "one job, encode to mp4", registry=reg,
+                              buckets=(*buckets, 600, 1800)),
+        request_seconds=Histogram("wan_aot_request_seconds", "HTTP request latency", ["method", "route", "status"],
+                                  registry=reg, buckets=buckets), replica_jobs=replica)
+

@@ -1,0 +1,165 @@
+"""The API's OpenAPI document (`GET /openapi.json`), as the server answers: the create request's body from the field
+table (schema.py) for JSON and multipart, every response's schema and media type, every error in the OpenAI shape,
+the bearer key where the server has one, and links from a created video to the operations on it.
+
+The response models here only describe: handlers return plain dicts (the job store's `to_api`, `model_card`), and
+the suite holds both to this document by running schemathesis against a live server (tests/test_openapi.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .schema import IMAGE_FIELDS, MAX_BODY_BYTES, Offer, body_schema
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Strict):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error or server_error")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None
+
+
+class Error(_Strict):
+    """Every error the API answers (4xx and 5xx), in the OpenAI shape."""
+
+    error: ErrorDetail
+
+
+class VideoError(_Strict):
+    code: str
+    message: str
+
+
+class Video(_Strict):
+    """A job: the OpenAI video object."""
+
+    id: str
+    object: Literal["video"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    model: str
+    progress: int = Field(ge=0, le=100)
+    size: str
+    seconds: str = Field(description="the video's duration: its frames at the request's fps")
+    prompt: str
+    error: VideoError | None
+
+
+class VideoList(_Strict):
+    object: Literal["list"]
+    data: list[Video]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(_Strict):
+    id: str
+    object: Literal["video.deleted"]
+    deleted: bool
+
+
+class Shape(_Strict):
+    size: str
+    frames: int
+    seconds: str = Field(description="frames at the bundle's fps: a value `seconds` takes")
+    default: bool
+
+
+class Defaults(_Strict):
+    steps: int
+    guidance: float
+
+
+class Model(_Strict):
+    """The bundle served, with what a request may ask of it."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    bundle_id: str
+    kind: str
+    title: str
+    image: Literal["none", "optional", "required"]
+    last_image: bool
+    experts: int
+    fps: int
+    defaults: Defaults
+    dtype: str
+    quantize: str | None
+    shapes: list[Shape]
+
+
+class ModelList(_Strict):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(_Strict):
+    status: Literal["ok"]
+
+
+class Ready(_Strict):
+    status: Literal["ready", "loading", "draining", "failed"]
+    model: str | None = None
+    bundle_id: str | None = None
+    error: str | None = None
+
+
+_WHY = {400: "a field, parameter or body the API does not take (`param` names it)",
+        401: "missing or wrong API key", 404: "no such video", 409: "the video is not in a state for this",
+        413: f"the body is larger than {MAX_BODY_BYTES >> 20} MB", 415: "a body neither JSON nor multipart/form-data",
+        429: "the queue is full", 503: "the model is still loading, or the server is draining"}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},
+    429: {"Retry-After": {"required": True, "description": "seconds, about one job's time",
+                          "schema": {"type": "integer"}}},
+    503: {"Retry-After": {"description": "seconds (while loading)", "schema": {"type": "integer"}}},
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` for these error codes, each in the OpenAI error shape."""
+    return {code: {"model": Error, "description": _WHY[code], **({"headers": _HEADERS[code]} if code in _HEADERS
+                                                                 else {})} for code in codes}
+
+
+def create_request(offer: Offer) -> dict[str, Any]:
+    """The create request's body, for JSON and multipart forms."""
+    form = body_schema(offer, form=True)
+    images = {name: {"contentType": "image/*"} for name in IMAGE_FIELDS if name in form["properties"]}
+    return {"required": True, "content": {"application/json": {"schema": body_schema(offer, form=False)},
+                                          "multipart/form-data": {"schema": form, "encoding": images}}}
+
+
+VIDEO_LINKS = {op: {"operationId": op, "parameters": {"video_id": "$response.body#/id"}}
+               for op in ("retrieveVideo", "downloadVideoContent", "deleteVideo")}
+
+
+def finish(doc: dict[str, Any], keyed: bool) -> dict[str, Any]:
+    """FastAPI's document, made to say what the server does: no 422 (a bad parameter is a 400 in the OpenAI shape),
+    and, where the server has a key, the bearer scheme and the 401 on every /v1/ operation."""
+    for path, operations in doc["paths"].items():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+            if keyed and path.startswith("/v1/"):
+                operation["security"] = [{"bearer": []}]
+                operation["responses"]["401"] = {
+                    "description": _WHY[401], "headers": _HEADERS[401],
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    if keyed:
+        doc.setdefault("components", {})["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "the server's --api-key"}}
+    return doc

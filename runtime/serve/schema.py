@@ -1,0 +1,387 @@
+"""The create request, `POST /v1/videos`: one table of its fields (FIELDS), read from a JSON or multipart body and
+checked as the CLI checks its flags, into the params of a job.
+
+The table is the one place a field is defined: its type, limits, enum and description make both the checks a
+request goes through (`parse_request`) and the request body /openapi.json documents (`body_schema`), so the two
+cannot drift apart (the suite runs schemathesis against the live document to hold them to it). What depends on the
+bundle (its names, sizes and durations, the images its kind takes, a second expert's guidance) comes from an Offer,
+read from the manifest before the weights load. A new field is one more Field in FIELDS; the job's params carry it
+under `param`, for the worker to use.
+
+The rules one field cannot state alone are kept beside the schema that states them: `seconds` is one of the
+durations of the request's `size` (`_frames`, `_seconds_schema`), and the images a kind needs
+(`kinds.check_images`; `required` in the document).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import kinds
+from ..errors import UserError
+from ..manifest import Defaults, Manifest
+from ..settings import MAX_SEED
+from .errors import ApiError
+
+MAX_BODY_BYTES = 32 << 20  # a request (form fields and images)
+MAX_IMAGE_BYTES = 20 << 20  # one image file
+MAX_IMAGE_PIXELS = 40_000_000  # one image, decoded
+MAX_PROMPT_CHARS = 20_000
+MAX_STEPS = 1000  # per job: more would hold the one worker for hours (`serve --max-steps` lowers it)
+# Every step count up to MAX_STEPS has a usable schedule at any flow shift in this range (tests/test_openapi.py
+# checks its ends), so a request inside it never fails on its schedule.
+FLOW_SHIFT = (0.01, 100.0)
+MAX_FPS = 240
+POLL_AFTER_MS = 250  # what the openai SDK's poll helpers wait between retrieves
+
+
+def seconds_of(frames: int, fps: int) -> str:
+    """A duration as the API writes it (`/v1/models`' shapes, `seconds`): frames / fps, shortest form."""
+    return f"{frames / fps:g}"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What this server makes, as a request may ask for it: the bundle's names, shapes, frame rate, kind and
+    defaults, and the server's step limit. Read from the manifest, so the document is right while the weights load."""
+
+    models: tuple[str, ...]  # what `model` may name: the bundle's directory name, then its bundle_id
+    shapes: tuple[tuple[str, int], ...]  # (size, frames) of each shape, the default first
+    kind: kinds.Kind
+    defaults: Defaults
+    max_steps: int = MAX_STEPS
+
+    @classmethod
+    def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS) -> Offer:
+        return cls(models=tuple(dict.fromkeys((name, manifest.bundle_id))),
+                   shapes=tuple((g.size, g.frames) for g in manifest.shapes), kind=kinds.get(manifest.kind),
+                   defaults=manifest.defaults, max_steps=max_steps)
+
+    @property
+    def sizes(self) -> list[str]:
+        return list(dict.fromkeys(size for size, _ in self.shapes))
+
+    @property
+    def steps(self) -> int:
+        """The steps a job runs when it asks for none: the bundle's default, or the server's limit if lower."""
+        return min(self.defaults.steps, self.max_steps)
+
+    def durations(self, size: str) -> dict[str, int]:
+        """`size`'s durations at the bundle's frame rate (as /v1/models lists them), each to its frame count."""
+        return {seconds_of(n, self.defaults.fps): n for s, n in self.shapes if s == size}
+
+
+Bound = float | Callable[[Offer], float] | None
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the create request. `type` is "string", "integer", "number" or "image" (a file part in a
+    multipart form, a base64 data URL in JSON)."""
+
+    name: str
+    type: str
+    description: str
+    param: str | None = None  # its name in the job's params (the run setting it feeds), if it goes there as is
+    required: bool = False
+    minimum: Bound = None
+    maximum: Bound = None
+    max_length: int | None = None
+    pattern: str | None = None  # a string must contain a match (JSON Schema's `pattern`, as re.search)
+    mismatch: str = ""  # the 400's message when the pattern or the enum refuses a value ({value!r}, {choices})
+    enum: Callable[[Offer], list[str]] | None = None
+    default: Callable[[Offer], Any] | None = None  # what an absent field means, as documented
+    offered: Callable[[Offer], bool] = lambda offer: True  # whether this bundle takes the field at all
+    refusal: Callable[[Offer], str] | None = None  # the 400's message when it is sent where not offered
+
+    def bounds(self, offer: Offer) -> tuple[float | None, float | None]:
+        return tuple(b(offer) if callable(b) else b for b in (self.minimum, self.maximum))  # type: ignore[return-value]
+
+    def what(self, offer: Offer) -> str:
+        """What a valid value is, in words: "an integer in 1..1000"."""
+        lo, hi = (b if isinstance(b, int) or b is None else f"{b:g}" for b in self.bounds(offer))
+        what = "an integer" if self.type == "integer" else "a finite number"
+        if lo is not None and hi is not None:
+            return f"{what} in {lo}..{hi}"
+        return f"{what} >= {lo}" if lo is not None else what
+
+    def schema(self, offer: Offer, form: bool) -> dict[str, Any]:
+        """The field's JSON Schema in the request body of a JSON (form=False) or multipart (form=True) request."""
+        if self.type == "image":
+            if form:
+                return {"type": "string", "format": "binary", "description": self.description}
+            return {"type": "string", "description": self.description + " In JSON: a base64 data URL "
+                    "(data:image/png;base64,...) or bare base64."}
+        out: dict[str, Any] = {"type": self.type, "description": self.description}
+        lo, hi = self.bounds(offer)
+        out.update({k: v for k, v in (("minimum", lo), ("maximum", hi), ("maxLength", self.max_length),
+                                      ("pattern", self.pattern)) if v is not None})
+        if self.enum is not None:
+            out["enum"] = self.enum(offer)
+        if self.default is not None:
+            out["default"] = self.default(offer)
+        return out
+
+    def check(self, value: Any, offer: Offer, form: bool) -> Any:
+        """The value, checked against the field's type, limits and enum (a form field's text is read as JSON would
+        read it); an ApiError(400) naming the field otherwise."""
+        if self.type in ("integer", "number"):
+            number = _number(value, self.type == "integer", form)
+            lo, hi = self.bounds(offer)
+            if number is None or not math.isfinite(number) or (lo is not None and number < lo) or \
+                    (hi is not None and number > hi):
+                raise ApiError(400, f"{self.name} must be {self.what(offer)}, got {value!r}", self.name)
+            return number
+        if not isinstance(value, str):
+            raise ApiError(400, f"{self.name} must be a string, got {value!r}", self.name)
+        if self.max_length is not None and len(value) > self.max_length:
+            raise ApiError(400, f"{self.name} is longer than {self.max_length} characters", self.name)
+        choices = self.enum(offer) if self.enum is not None else None
+        if (self.pattern is not None and not re.search(self.pattern, value)) or \
+                (choices is not None and value not in choices):
+            raise ApiError(400, self.mismatch.format(value=value, choices=", ".join(choices or [])), self.name)
+        return value
+
+
+_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+def _number(value: Any, integer: bool, form: bool) -> float | int | None:
+    """A JSON number (or a form field's text in JSON's number syntax) as int or float; None if it is not one, or
+    not a whole number where an integer is asked for."""
+    if form and isinstance(value, str):
+        try:
+            value = int(value) if _INTEGER.fullmatch(value) else float(value) if _NUMBER.fullmatch(value) else None
+        except (ValueError, OverflowError):  # more digits than Python converts
+            return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if integer and isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return value
+
+
+def _two_experts(offer: Offer) -> bool:
+    return offer.kind.experts > 1
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("prompt", "string", "What the video shows.", param="prompt", required=True,
+          max_length=MAX_PROMPT_CHARS, pattern=r"\S", mismatch="prompt is required (a non-empty string)"),
+    Field("negative_prompt", "string", "What the video should not show.", param="negative_prompt",
+          max_length=MAX_PROMPT_CHARS, default=lambda o: ""),
+    Field("model", "string", "The bundle served here, by its directory name or its bundle_id (GET /v1/models).",
+          enum=lambda o: list(o.models), default=lambda o: o.models[0],
+          mismatch="model {value!r} is not served here: this server runs {choices} (or leave model out)"),
+    Field("size", "string", "Width x height, one of the bundle's resolutions (GET /v1/models lists its shapes).",
+          param="size", enum=lambda o: o.sizes, default=lambda o: o.sizes[0],
+          mismatch="size {value!r} is not one this bundle makes: it makes {choices}"),
+    Field("seconds", "string", "The duration, one of those GET /v1/models lists for the size (frames at the "
+          "bundle's frame rate); left out, the default shape's frame count. `fps` sets the rate the mp4 plays at, "
+          "not the frame count."),
+    Field("input_reference", "image", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...).",
+          offered=lambda o: o.kind.image != "none",
+          refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image (export an image-to-video model "
+                            "for that)"),
+    Field("last_image", "image", "The last frame (first-last-frame bundles).", offered=lambda o: o.kind.last_image,
+          refusal=lambda o: f"this bundle is {o.kind.title}: it takes no last image (that needs a "
+                            "first-last-frame model such as Wan2.1-FLF2V)"),
+    Field("seed", "integer", "The noise seed (jax.random).", param="seed", minimum=0, maximum=MAX_SEED,
+          default=lambda o: 0),
+    Field("num_inference_steps", "integer", "Denoising steps.", param="steps", minimum=1,
+          maximum=lambda o: o.max_steps, default=lambda o: o.steps),
+    Field("guidance_scale", "number", "Classifier-free guidance scale.", param="guidance", minimum=0,
+          default=lambda o: o.defaults.guidance),
+    Field("guidance_scale_2", "number", "The second (low-noise) expert's guidance scale (default: "
+          "guidance_scale).", param="guidance_2", minimum=0, offered=_two_experts,
+          refusal=lambda o: f"guidance_scale_2 is for two-expert models; this bundle is {o.kind.title} with one "
+                            "expert: use guidance_scale"),
+    Field("flow_shift", "number", "The scheduler's flow shift.", param="flow_shift", minimum=FLOW_SHIFT[0],
+          maximum=FLOW_SHIFT[1], default=lambda o: o.defaults.flow_shift),
+    Field("fps", "integer", "The frame rate the mp4 plays at.", param="fps", minimum=1, maximum=MAX_FPS,
+          default=lambda o: o.defaults.fps),
+)
+BY_NAME = {f.name: f for f in FIELDS}
+IMAGE_FIELDS = tuple(f.name for f in FIELDS if f.type == "image")
+
+
+# -- the document ----------------------------------------------------------------
+def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
+    """The create request's body as JSON Schema: a JSON object (form=False) or a multipart form (form=True)."""
+    fields = [f for f in FIELDS if f.offered(offer)]
+    required = [f.name for f in fields if f.required]
+    if offer.kind.image == "required":
+        required += [f.name for f in fields if f.type == "image"]
+    schema = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields}, "required": required,
+              "additionalProperties": False}
+    schema.update(_seconds_schema(offer, schema["properties"]["seconds"]))
+    return schema
+
+
+def _seconds_schema(offer: Offer, seconds: dict[str, Any]) -> dict[str, Any]:
+    """`seconds`' values: those of the size asked for (the default size's when size is left out). Where every size
+    comes in the same durations that is an enum; otherwise one branch per size (size absent matches the first)."""
+    durations = {size: list(offer.durations(size)) for size in offer.sizes}
+    seconds["enum"] = list(dict.fromkeys(d for ds in durations.values() for d in ds))
+    if all(ds == seconds["enum"] for ds in durations.values()):
+        return {}
+    default, *others = offer.sizes
+    branches = [{"properties": {"size": {"const": default}, "seconds": {"enum": durations[default]}}}]
+    branches += [{"required": ["size"], "properties": {"size": {"const": s}, "seconds": {"enum": durations[s]}}}
+                 for s in others]
+    return {"anyOf": branches}
+
+
+# -- reading and checking a request ------------------------------------------------
+@dataclass
+class Body:
+    """A create request as sent: its fields (images apart, as bytes) and whether it came as a form (whose numbers
+    are text)."""
+
+    fields: dict[str, Any]
+    images: dict[str, bytes]
+    form: bool
+
+
+def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None) -> dict[str, Any]:
+    """The job's params from a create request, checked as the CLI checks its flags; an ApiError(400) naming the
+    field otherwise."""
+    for name in [*body.fields, *body.images]:
+        f = BY_NAME.get(name)
+        if f is None:
+            raise ApiError(400, f"unknown field {name!r}", name)
+        if not f.offered(offer):
+            raise ApiError(400, f.refusal(offer) if f.refusal else f"{name} is not taken by this bundle", name)
+    values = {name: BY_NAME[name].check(value, offer, body.form) for name, value in body.fields.items()}
+    for f in FIELDS:
+        if f.required and f.name not in values:
+            raise ApiError(400, f.mismatch or f"{f.name} is required", f.name)
+    params: dict[str, Any] = {f.param: values.get(f.name) for f in FIELDS if f.param}
+    params.update(negative_prompt=values.get("negative_prompt", ""), seed=values.get("seed", 0),
+                  steps=values.get("num_inference_steps", offer.steps),
+                  size=values.get("size", offer.sizes[0]), fps=values.get("fps", offer.defaults.fps))
+    params["frames"] = _frames(params["size"], values.get("seconds"), offer)
+    params["seconds"] = seconds_of(params["frames"], params["fps"])  # the mp4's duration, at the request's fps
+    params["magcache"] = magcache
+    try:  # the fields are each in range; the schedule their step count and flow shift make is checked here
+        pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"])
+    except UserError as e:  # only the schedule can fail here: name the flow shift if it was asked for
+        raise ApiError(400, str(e).replace("flow shift", "flow_shift"),
+                       "flow_shift" if "flow_shift" in values else "num_inference_steps") from None
+    _check_images(body.images, offer)
+    return params
+
+
+def _frames(size: str, seconds: str | None, offer: Offer) -> int:
+    """The frame count `seconds` asks for at `size`; left out, the default shape's (or the size's first)."""
+    durations = offer.durations(size)
+    if seconds is None:
+        default = offer.shapes[0][1]
+        return default if default in durations.values() else next(iter(durations.values()))
+    if seconds not in durations:
+        made = " or ".join(f"{n} frames ({s} s)" for s, n in durations.items())
+        raise ApiError(400, f"seconds {seconds!r} is not a duration this bundle makes at {size}: it makes {made} at "
+                            f"{offer.defaults.fps} fps (leave seconds out for the default)", "seconds")
+    return durations[seconds]
+
+
+def _check_images(images: dict[str, bytes], offer: Offer) -> None:
+    try:
+        kinds.check_images(offer.kind, images.get("input_reference"), images.get("last_image"))
+    except UserError as e:
+        message = str(e)
+        for cli, api in (("--image FILE / image=...", "input_reference"), ("(--image)", "(input_reference)"),
+                         ("--last-image FILE / last_image=...", "last_image")):
+            message = message.replace(cli, api)
+        raise ApiError(400, message, "last_image" if "last image" in message else "input_reference") from None
+    for name, data in images.items():
+        check_image(name, data)
+
+
+def check_image(name: str, data: bytes) -> None:
+    from PIL import Image
+
+    from ..images import load_image
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ApiError(400, f"{name} is larger than {MAX_IMAGE_BYTES >> 20} MB", name)
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            w, h = probe.size
+    except Exception:  # noqa: BLE001  (any undecodable upload)
+        raise ApiError(400, f"{name} is not an image Pillow can read (PNG, JPEG, WebP, ...)", name) from None
+    if w * h > MAX_IMAGE_PIXELS:
+        raise ApiError(400, f"{name} has {w}x{h} pixels, more than {MAX_IMAGE_PIXELS // 1_000_000} MP", name)
+    try:
+        load_image(Image.open(io.BytesIO(data)), name)
+    except UserError as e:
+        raise ApiError(400, str(e), name) from None
+
+
+def decode_data_url(name: str, value: str) -> bytes:
+    """JSON requests carry images as data URLs (data:image/png;base64,...) or bare base64."""
+    payload = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{name} in a JSON request must be a base64 data URL (data:image/png;base64,...)",
+                       name) from None
+
+
+async def read_limited(request: Any) -> bytes:
+    """The body, refusing more than MAX_BODY_BYTES as it streams in (chunked bodies have no Content-Length)."""
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES >> 20} MB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_body(request: Any) -> Body:
+    """A JSON or multipart/form-data body; any other media type is a 415."""
+    ctype = request.headers.get("content-type", "")
+    media = ctype.split(";", 1)[0].strip().lower()
+    images: dict[str, bytes] = {}
+    if media == "application/json":
+        try:
+            fields = json.loads(await read_limited(request))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: JSON's, and too many digits
+            raise ApiError(400, f"the body is not valid JSON ({e})") from None
+        if not isinstance(fields, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        for name in IMAGE_FIELDS:
+            if name in fields:
+                value = fields.pop(name)
+                if not isinstance(value, str):
+                    raise ApiError(400, f"{name} must be a base64 data URL string", name)
+                images[name] = decode_data_url(name, value)
+        return Body(fields, images, form=False)
+    if media == "multipart/form-data":
+        if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
+            body = await read_limited(request)
+            request._body = body  # Starlette parses the form from the cached body  # noqa: SLF001
+        form = await request.form(max_files=len(IMAGE_FIELDS), max_fields=64, max_part_size=MAX_IMAGE_BYTES)
+        fields = {}
+        for name, value in form.multi_items():
+            if hasattr(value, "read"):  # an uploaded file
+                if name not in IMAGE_FIELDS:
+                    raise ApiError(400, f"unexpected file field {name!r} (images go in input_reference)", name)
+                images[name] = await value.read()
+            elif name in IMAGE_FIELDS:
+                images[name] = decode_data_url(name, value)
+            else:
+                fields[name] = value
+        return Body(fields, images, form=True)
+    raise ApiError(415, f"unsupported content type {ctype or '(none)'!r}: send application/json or "
+                        "multipart/form-data")

@@ -1,0 +1,53 @@
+"""What the server's parts share: its settings, and the state the HTTP handlers and the worker both read."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .jobs import JobStore
+from .lease import DEFAULT_STALL_S
+from .schema import MAX_STEPS, Offer
+
+
+@dataclass
+class Settings:
+    bundle: Path
+    api_key: str | None = None
+    jobs_dir: Path = Path("jobs")
+    queue_size: int = 16
+    magcache: Any = None  # runtime.MagCache every job runs with (recorded in the job's params), or None
+    queue: str | None = None  # the job database: None (SQLite under jobs_dir) or a postgresql:// URL
+    videos_url: str | None = None  # videos and images in an object store instead of jobs_dir
+    lease: float = 60.0  # seconds without a heartbeat after which another replica takes a job over
+    stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
+    ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
+    max_steps: int = MAX_STEPS  # the most denoising steps a job may ask for (MAX_STEPS at most)
+
+
+@dataclass
+class State:
+    """What the HTTP handlers and the worker share."""
+
+    settings: Settings
+    store: JobStore
+    offer: Offer | None = None  # what a request may ask for (from the manifest, before the weights load)
+    pipe: Any = None  # runtime.Pipeline, once loaded and compiled
+    ready: threading.Event = field(default_factory=threading.Event)
+    draining: threading.Event = field(default_factory=threading.Event)
+    idle: threading.Event = field(default_factory=threading.Event)  # set while the worker runs no job
+    wake: threading.Event = field(default_factory=threading.Event)
+    load_error: str | None = None
+    on_load_error: Callable[[], Any] = lambda: None  # the bundle failed to load: the process stops (server.py)
+    metrics: Any = None
+    job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
+    broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others
+    on_stall: Callable[[], Any] = lambda: os._exit(3)  # a stalled job: exit non-zero, the supervisor restarts us
+
+    @property
+    def model(self) -> str:
+        return self.settings.bundle.resolve().name

@@ -1,0 +1,114 @@
+"""`runtime serve`'s /openapi.json tells the truth: schemathesis (an OpenAPI fuzzer) runs every one of its checks
+against a live server on the tiny bundle of several shapes, and the document describes the create request for JSON
+and multipart forms, from the same field table the server checks requests with.
+
+The server runs with `--max-steps 2`, so the jobs the fuzzer queues take a moment each.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .test_serve import KEY, Server, serving
+
+CREATE_FIELDS = {"prompt", "negative_prompt", "model", "size", "seconds", "seed", "num_inference_steps",
+                 "guidance_scale", "flow_shift", "fps"}  # the t2v bundle's: no images, one expert
+
+
+@pytest.fixture(scope="module")
+def server(shapes_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(shapes_bundle, tmp_path_factory.mktemp("openapi") / "jobs", "--api-key", KEY,
+                 "--max-steps", "2") as server:
+        yield server
+
+
+def test_schemathesis_finds_nothing_with_every_check(server: Server, tmp_path: Path) -> None:
+    """Every check schemathesis has (`--checks all`: status codes, content types, headers and bodies as documented,
+    schema-valid data accepted and invalid data refused, 405 with Allow, auth enforced, created videos retrievable
+    and deleted ones gone), over its coverage, fuzzing and stateful phases, with a fixed seed."""
+    cli = "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())"
+    proc = subprocess.run(
+        [sys.executable, "-c", cli, "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {KEY}",
+         "--checks", "all", "--max-examples", "15", "--seed", "1", "--generation-database", "none", "--workers", "1",
+         "--request-timeout", "30", "--no-color"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "No issues found" in proc.stdout, proc.stdout[-6000:] + server.output()
+    for phase in ("Coverage", "Fuzzing", "Stateful"):
+        assert f"✅  {phase}" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_create_request_is_documented_for_json_and_multipart(server: Server) -> None:
+    import httpx
+
+    doc = httpx.get(server.url + "/openapi.json").json()
+    create = doc["paths"]["/v1/videos"]["post"]
+    body = create["requestBody"]["content"]
+    assert body.keys() == {"application/json", "multipart/form-data"} and create["requestBody"]["required"]
+    for schema in (body["application/json"]["schema"], body["multipart/form-data"]["schema"]):
+        fields = schema["properties"]
+        assert fields.keys() == CREATE_FIELDS and schema["required"] == ["prompt"]
+        assert schema["additionalProperties"] is False
+        assert fields["size"]["enum"] == ["64x32", "32x64"] and fields["seconds"]["enum"] == ["0.5625", "0.3125"]
+        assert (fields["num_inference_steps"]["minimum"], fields["num_inference_steps"]["maximum"]) == (1, 2)
+        assert fields["seed"]["type"] == "integer" and fields["guidance_scale"]["minimum"] == 0
+        assert fields["prompt"]["maxLength"] == 20_000 and fields["fps"]["maximum"] == 240
+    error = {"$ref": "#/components/schemas/Error"}
+    for code in ("400", "401", "413", "415", "429", "503"):
+        assert create["responses"][code]["content"]["application/json"]["schema"] == error, code
+    assert create["responses"]["429"]["headers"]["Retry-After"]["required"]
+    assert create["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Video"}
+    assert set(doc["components"]["schemas"]["Error"]["properties"]) == {"error"}
+    assert doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
+    content = doc["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]
+    assert content["200"]["content"].keys() == {"video/mp4"} and {"404", "409"} <= content.keys()
+    assert doc["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/health"]["get"]
+    codes = {code for path in doc["paths"].values() for op in path.values() for code in op["responses"]}
+    assert "422" not in codes and "HTTPValidationError" not in doc["components"]["schemas"]  # bad input is a 400
+
+
+def test_images_are_files_in_a_form_and_data_urls_in_json() -> None:
+    """A first-last-frame bundle's document (built from its offer, no server): both images required, binary parts in
+    a form and strings in JSON; a second size with other durations gets `seconds` per size."""
+    import jsonschema
+
+    from runtime import kinds
+    from runtime.manifest import Defaults
+    from runtime.serve.schema import Offer, body_schema
+
+    offer = Offer(models=("flf",), shapes=(("64x32", 9), ("64x32", 5), ("32x64", 17)), kind=kinds.get("flf2v"),
+                  defaults=Defaults(steps=30, guidance=5.0, flow_shift=3.0))
+    form, plain = body_schema(offer, form=True), body_schema(offer, form=False)
+    for schema in (form, plain):
+        assert schema["required"] == ["prompt", "input_reference", "last_image"]
+        assert "guidance_scale_2" not in schema["properties"]  # one expert
+    assert form["properties"]["input_reference"]["format"] == "binary"
+    assert plain["properties"]["last_image"]["type"] == "string" and "data URL" in plain["properties"]["last_image"][
+        "description"]
+    image = "data:image/png;base64,AAAA"
+    ok = {"prompt": "a bird", "input_reference": image, "last_image": image}
+    jsonschema.validate({**ok, "seconds": "0.5625"}, plain)  # the default size's
+    jsonschema.validate({**ok, "size": "32x64", "seconds": "1.0625"}, plain)
+    for bad in ({**ok, "size": "32x64", "seconds": "0.5625"}, {**ok, "seconds": "1.0625"}, {"prompt": "a bird"},
+                {**ok, "prompt": " "}, {**ok, "fps": 0}, {**ok, "guidance_scale_2": 1.0}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, plain)
+
+
+def test_the_flow_shift_range_is_usable_at_every_step_count() -> None:
+    """The documented flow_shift range is one where no step count up to the limit makes an unusable schedule, so a
+    request in range never fails on its schedule (its ends, at step counts from 1 to the most a job may run)."""
+    from runtime import scheduler
+    from runtime.serve.schema import FLOW_SHIFT, MAX_STEPS
+
+    config = scheduler.UniPCConfig()
+    for shift in FLOW_SHIFT:
+        for steps in (1, 2, 3, 7, 50, 500, MAX_STEPS - 1, MAX_STEPS):
+            scheduler.check_plan(steps, shift, config)
+    with pytest.raises(Exception, match="unusable"):  # and the check itself can fail: beyond the range
+        scheduler.check_plan(MAX_STEPS, 1000.0, config)
