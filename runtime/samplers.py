@@ -207,7 +207,9 @@ def check_plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigm
             p = None
         levels = p.sigmas[:-1] if p is not None else np.array([np.nan])
         inside = (levels > 0) & (levels < 1)
-        inside[0] = 0 < levels[0] <= 1  # a schedule may start at pure noise (euler, custom sigmas)
+        # A schedule may start at pure noise (euler, custom sigmas), or a float32 rounding above it: diffusers'
+        # FlowMatchEulerDiscreteScheduler at flow shift 0.01 starts at 1.0000954.
+        inside[0] = 0 < levels[0] <= 1.001
         ok = p is not None and bool(np.all(inside)) and bool(np.all(np.diff(p.sigmas) <= 0)) \
             and bool(np.isfinite(p.coeffs).all())
     if not ok:

@@ -17,7 +17,7 @@ import pytest
 from .test_serve import KEY, Server, serving
 
 CREATE_FIELDS = {"prompt", "negative_prompt", "model", "size", "seconds", "seed", "num_inference_steps",
-                 "guidance_scale", "flow_shift", "fps"}  # the t2v bundle's: no images, one expert
+                 "guidance_scale", "flow_shift", "fps", "sampler", "sigmas"}  # the t2v bundle's: no media, one expert
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,10 @@ def test_the_create_request_is_documented_for_json_and_multipart(server: Server)
         assert (fields["num_inference_steps"]["minimum"], fields["num_inference_steps"]["maximum"]) == (1, 2)
         assert fields["seed"]["type"] == "integer" and fields["guidance_scale"]["minimum"] == 0
         assert fields["prompt"]["maxLength"] == 20_000 and fields["fps"]["maximum"] == 240
+        assert fields["sampler"]["enum"] == ["unipc", "euler", "dpm++"] and fields["sampler"]["default"] == "unipc"
+        assert schema["not"] == {"required": ["sigmas", "num_inference_steps"]}  # sigmas set the step count
+    assert body["application/json"]["schema"]["properties"]["sigmas"]["items"]["maximum"] == 1
+    assert body["multipart/form-data"]["schema"]["properties"]["sigmas"]["type"] == "string"  # comma-separated
     error = {"$ref": "#/components/schemas/Error"}
     for code in ("400", "401", "413", "415", "429", "503"):
         assert create["responses"][code]["content"]["application/json"]["schema"] == error, code
@@ -103,12 +107,15 @@ def test_images_are_files_in_a_form_and_data_urls_in_json() -> None:
 def test_the_flow_shift_range_is_usable_at_every_step_count() -> None:
     """The documented flow_shift range is one where no step count up to the limit makes an unusable schedule, so a
     request in range never fails on its schedule (its ends, at step counts from 1 to the most a job may run)."""
-    from runtime import scheduler
-    from runtime.serve.schema import FLOW_SHIFT, MAX_STEPS
+    from runtime import samplers, scheduler
+    from runtime.serve.schema import FLOW_SHIFT, MAX_STEPS, SIGMA_MIN
 
     config = scheduler.UniPCConfig()
-    for shift in FLOW_SHIFT:
-        for steps in (1, 2, 3, 7, 50, 500, MAX_STEPS - 1, MAX_STEPS):
-            scheduler.check_plan(steps, shift, config)
+    for sampler in samplers.SAMPLERS:
+        for shift in FLOW_SHIFT:
+            for steps in (1, 2, 3, 7, 50, 500, MAX_STEPS - 1, MAX_STEPS):
+                samplers.check_plan(sampler, steps, shift, config, None, 3.0)
+            # custom sigmas at the documented ends: the highest and lowest levels a request may give
+            samplers.check_plan(sampler, 3, shift, config, (1.0, 0.5, SIGMA_MIN), 3.0)
     with pytest.raises(Exception, match="unusable"):  # and the check itself can fail: beyond the range
-        scheduler.check_plan(MAX_STEPS, 1000.0, config)
+        samplers.check_plan("unipc", MAX_STEPS, 1000.0, config, None, 3.0)

@@ -171,6 +171,9 @@ def test_api_key_is_required(tiny_server: Server) -> None:
     ({"prompt": " \n"}, "prompt", "prompt is required"),
     ({"negative_prompt": "x" * 20_001}, "negative_prompt", "negative_prompt is longer than 20000 characters"),
     ({"model": "sora-2"}, "model", "model 'sora-2' is not served here"),
+    ({"sampler": "ddim"}, "sampler", "sampler 'ddim' is not one of unipc, euler, dpm++"),
+    ({"sigmas": [1.5, 0.5]}, "sigmas", "sigmas must be"),
+    ({"sigmas": [1, 0.5], "num_inference_steps": 2}, "sigmas", "give sigmas or num_inference_steps, not both"),
     ({"colour": "red"}, "colour", "unknown field"),
 ])
 def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, param: str, message: str) -> None:
@@ -185,6 +188,25 @@ def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, 
     with pytest.raises(openai.BadRequestError) as e:  # the same through the SDK's multipart form
         tiny_server.client().videos.create(prompt=body.pop("prompt"), extra_body=body)
     assert e.value.body["param"] == param
+
+
+def test_a_sampler_and_sigmas_make_the_clis_video(tiny_server: Server, shapes_bundle: Path, tmp_path: Path) -> None:
+    """`sampler` and `sigmas` (a JSON list; in the SDK's form, comma-separated text) run as the CLI's flags do."""
+    import httpx
+
+    run_module("runtime", "generate", str(shapes_bundle), "--prompt", "a kite", "--sampler", "euler", "--sigmas",
+               "1,0.6", "--seed", "3", "--out", str(tmp_path / "cli.mp4"), "-q")
+    cli = _mp4_frames((tmp_path / "cli.mp4").read_bytes(), tmp_path).astype(np.int16)
+    client = tiny_server.client()
+    r = httpx.post(tiny_server.url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "a kite", "sampler": "euler", "sigmas": [0.6, 1], "seed": 3})  # any order
+    assert r.status_code == 200, r.text
+    form = client.videos.create(prompt="a kite", extra_body={"sampler": "euler", "sigmas": "1,0.6", "seed": 3})
+    unipc = client.videos.create(prompt="a kite", extra_body={"sigmas": "1,0.6", "seed": 3})
+    for video_id, same in ((r.json()["id"], True), (form.id, True), (unipc.id, False)):
+        assert _wait(client, video_id, ("completed", "failed")).status == "completed"
+        served = _mp4_frames(client.videos.download_content(video_id).read(), tmp_path).astype(np.int16)
+        assert (np.abs(served - cli).max() <= 1) == same
 
 
 def test_portrait_and_landscape_from_one_server(tiny_server: Server, tmp_path: Path) -> None:

@@ -254,3 +254,123 @@ def test_a_video_to_a_bundle_that_takes_none_is_refused(tmp_path) -> None:
     pipe = runtime.load(bundle)
     with pytest.raises(UserError, match="it takes no video"):
         pipe.generate("a", video=str(video), progress=False)
+
+
+# -- the server: video uploads -------------------------------------------------------------------------------------
+def _mp4(frames: list, path: Path) -> Path:
+    import imageio.v2 as imageio
+
+    imageio.mimwrite(str(path), [np.asarray(f.convert("RGB")) for f in frames], fps=16, macro_block_size=1)
+    return path
+
+
+def _served(client, video_id: str, tmp_path: Path) -> np.ndarray:
+    from .test_serve import _mp4_frames, _wait
+
+    video = _wait(client, video_id, ("completed", "failed"))
+    assert video.status == "completed", video.error
+    return _mp4_frames(client.videos.download_content(video_id).read(), tmp_path).astype(np.int16)
+
+
+def _cli(bundle: Path, tmp_path: Path, name: str, *args: str) -> np.ndarray:
+    from .test_serve import _mp4_frames
+
+    run_module("runtime", "generate", str(bundle), "--prompt", PROMPT, *args, "--out", str(tmp_path / f"{name}.mp4"),
+               "-q")
+    return _mp4_frames((tmp_path / f"{name}.mp4").read_bytes(), tmp_path).astype(np.int16)
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_the_server_takes_videos_through_the_openai_sdk(bundles, tmp_path) -> None:
+    """A VACE job with an mp4 control video sent as the openai SDK sends input_reference (a multipart file), a mask
+    and a reference image as more file parts, and a video-to-video job with its strength: each the CLI's video;
+    what does not fit the bundle is a 400 naming the field."""
+    import httpx
+
+    from .test_serve import KEY, serving
+
+    _, res, frames, _, _ = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    control = _mp4(_video(frames, width, height, seed=11), tmp_path / "control.mp4")
+    mask = _mp4(_mask(frames, width, height), tmp_path / "mask.mp4")
+    test_image(30, 40, seed=5).save(tmp_path / "ref.png")
+    want = _cli(bundles["vace"], tmp_path, "vace", "--video", str(control), "--mask", str(mask), "--reference-image",
+                str(tmp_path / "ref.png"), "--steps", "2", "--conditioning-scale", "0.5")
+    with serving(bundles["vace"], tmp_path / "jobs-vace", "--api-key", KEY) as server:
+        client = server.client()
+        card = client.models.list().data[0].model_dump()
+        assert (card["video"], card["mask"], card["reference_images"]) == (True, True, [0, 1])
+        files = {"input_reference": ("control.mp4", control.read_bytes(), "video/mp4"),
+                 "mask": ("mask.mp4", mask.read_bytes(), "video/mp4"),
+                 "reference_image": ("ref.png", (tmp_path / "ref.png").read_bytes(), "image/png")}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(server.url + "/v1/videos", headers=headers, files=files,
+                       data={"prompt": PROMPT, "num_inference_steps": "2", "conditioning_scale": "0.5"})
+        assert r.status_code == 200, r.text
+        assert np.abs(_served(client, r.json()["id"], tmp_path) - want).max() <= 1
+        # the SDK's own path: input_reference=open(...) and extra_body fields
+        with open(control, "rb") as f:
+            sdk = client.videos.create(prompt=PROMPT, input_reference=f, extra_body={"num_inference_steps": 2})
+        sdk_want = _cli(bundles["vace"], tmp_path, "sdk", "--video", str(control), "--steps", "2")
+        assert np.abs(_served(client, sdk.id, tmp_path) - sdk_want).max() <= 1
+        short = _mp4(_video(frames - 4, width, height), tmp_path / "short.mp4")
+        for extra, param, message in [
+            ({"input_reference": ("s.mp4", short.read_bytes(), "video/mp4")}, "input_reference",
+             f"input_reference has {frames - 4} frames"),
+            ({**files, "mask": ("m.mp4", short.read_bytes(), "video/mp4")}, "mask", f"mask has {frames - 4} frames"),
+            ({"input_reference": ("x.mp4", b"not a video", "video/mp4")}, "input_reference", "input_reference: "
+                                                                                              "cannot read"),
+            ([("reference_image", ("a.png", (tmp_path / "ref.png").read_bytes(), "image/png"))] * 2,
+             "reference_image", "reference_image is sent 2 times; this bundle takes at most 1"),
+        ]:
+            r = httpx.post(server.url + "/v1/videos", headers=headers, files=extra, data={"prompt": PROMPT})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert r.json()["error"]["message"].startswith(message), r.text
+        r = httpx.post(server.url + "/v1/videos", headers=headers, json={"prompt": PROMPT, "strength": 0.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "strength"
+    source = _mp4(_video(frames, width, height, seed=12), tmp_path / "source.mp4")
+    want = _cli(bundles["v2v"], tmp_path, "v2v", "--video", str(source), "--steps", "5", "--strength", "0.6")
+    with serving(bundles["v2v"], tmp_path / "jobs-v2v") as server:
+        client = server.client(key="unused")
+        with open(source, "rb") as f:
+            video = client.videos.create(prompt=PROMPT, input_reference=f,
+                                         extra_body={"num_inference_steps": 5, "strength": 0.6})
+        assert np.abs(_served(client, video.id, tmp_path) - want).max() <= 1
+
+
+def test_the_playground_takes_a_video_mask_and_references(bundles, tmp_path) -> None:
+    """On a VACE bundle the page shows its video, mask and reference image inputs (no strength, which is
+    video-to-video's), and a job made there with the Euler sampler is the CLI's video with those flags."""
+    from .test_playground import CHROMIUM, sync_api
+    from .test_serve import serving
+
+    _, res, frames, _, _ = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    control = _mp4(_video(frames, width, height, seed=13), tmp_path / "control.mp4")
+    test_image(24, 40, seed=6).save(tmp_path / "ref.png")
+    want = _cli(bundles["vace"], tmp_path, "cli", "--video", str(control), "--reference-image",
+                str(tmp_path / "ref.png"), "--steps", "2", "--sampler", "euler")
+    with serving(bundles["vace"], tmp_path / "jobs") as server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        sync_api.expect(page.get_by_label("Prompt", exact=True)).to_be_visible()
+        for shown in ("Video (control or source)", "Mask video (white areas are made anew)", "Reference images", "Sampler",
+                      "Control scale"):
+            assert page.get_by_label(shown).is_visible(), shown
+        for hidden in ("Image (first frame)", "Strength"):
+            assert not page.get_by_label(hidden).is_visible(), hidden
+        page.get_by_label("Prompt", exact=True).fill(PROMPT)
+        page.get_by_label("Steps").fill("2")
+        page.get_by_label("Sampler").select_option("euler")
+        page.get_by_label("Video (control or source)").set_input_files(str(control))
+        page.get_by_label("Reference images").set_input_files([str(tmp_path / "ref.png")])
+        page.get_by_role("button", name="Generate").click()
+        video = page.locator("#jobs li").first.locator("video")
+        sync_api.expect(video).to_have_count(1, timeout=120_000)
+        page.wait_for_function("v => v.readyState >= 1 && v.duration > 0", arg=video.element_handle(),
+                               timeout=60_000)
+        browser.close()
+        client = server.client(key="unused")
+        job = client.videos.list(limit=1).data[0]
+        assert np.abs(_served(client, job.id, tmp_path) - want).max() <= 1

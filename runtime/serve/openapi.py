@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schema import IMAGE_FIELDS, MAX_BODY_BYTES, Offer, body_schema
+from .schema import BY_NAME, FILE_FIELDS, MAX_BODY_BYTES, MAX_VIDEO_BODY_BYTES, Offer, body_schema
 
 
 class _Strict(BaseModel):
@@ -75,8 +75,14 @@ class Shape(_Strict):
 
 
 class Defaults(_Strict):
+    """What a request that leaves these out runs with (the bundle's, from its checkpoint or `--defaults`)."""
+
     steps: int
     guidance: float
+    guidance_2: float | None
+    flow_shift: float
+    sampler: Literal["unipc", "euler", "dpm++"]
+    sigmas: list[float] | None
 
 
 class Model(_Strict):
@@ -91,6 +97,10 @@ class Model(_Strict):
     title: str
     image: Literal["none", "optional", "required"]
     last_image: bool
+    video: bool = Field(description="takes a control or source video (input_reference)")
+    mask: bool = Field(description="takes a mask video (VACE)")
+    reference_images: list[int] = Field(description="the counts of reference images it serves (VACE; [0] else)")
+    video_to_video: bool
     experts: int
     fps: int
     defaults: Defaults
@@ -117,7 +127,8 @@ class Ready(_Strict):
 
 _WHY = {400: "a field, parameter or body the API does not take (`param` names it)",
         401: "missing or wrong API key", 404: "no such video", 409: "the video is not in a state for this",
-        413: f"the body is larger than {MAX_BODY_BYTES >> 20} MB", 415: "a body neither JSON nor multipart/form-data",
+        413: f"the body is larger than the server reads ({MAX_BODY_BYTES >> 20} MB; {MAX_VIDEO_BODY_BYTES >> 20} MB "
+             "where the bundle takes videos)", 415: "a body neither JSON nor multipart/form-data",
         429: "the queue is full", 503: "the model is still loading, or the server is draining"}
 _HEADERS = {
     401: {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},
@@ -136,7 +147,8 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 def create_request(offer: Offer) -> dict[str, Any]:
     """The create request's body, for JSON and multipart forms."""
     form = body_schema(offer, form=True)
-    images = {name: {"contentType": "image/*"} for name in IMAGE_FIELDS if name in form["properties"]}
+    images = {name: {"contentType": f"{BY_NAME[name].accepts(offer)}/*"} for name in FILE_FIELDS
+              if name in form["properties"]}
     return {"required": True, "content": {"application/json": {"schema": body_schema(offer, form=False)},
                                           "multipart/form-data": {"schema": form, "encoding": images}}}
 

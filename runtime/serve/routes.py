@@ -32,7 +32,7 @@ from .errors import ApiError
 from .jobs import Job, JobStore, QueueFull
 from .metrics import method_label
 from .playground import add_playground
-from .schema import IMAGE_FIELDS, MAX_BODY_BYTES, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
+from .schema import FILE_FIELDS, MAX_BODY_BYTES, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
 from .state import State
 
 VideoId = Annotated[str, Path(description="a video's id, as POST /v1/videos answered it")]
@@ -70,8 +70,9 @@ def create_app(state: State) -> FastAPI:
         try:
             _authorize(request, state)
             length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-                raise ApiError(413, f"request body larger than {MAX_BODY_BYTES >> 20} MB")
+            limit = state.offer.max_body_bytes if state.offer is not None else MAX_BODY_BYTES
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                raise ApiError(413, f"request body larger than {limit >> 20} MB")
             response = await call_next(request)
         except ApiError as e:
             response = _answer(e)
@@ -128,7 +129,7 @@ def create_app(state: State) -> FastAPI:
         if not state.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
                            headers={"Retry-After": "5"})
-        body = await read_body(request)
+        body = await read_body(request, state.offer.max_body_bytes)
         # Validation (image decoding, the schedule check) and the fsync'd insert run off the event loop.
         return await run_in_threadpool(_create, state, body)
 
@@ -228,8 +229,13 @@ def model_card(state: State) -> dict[str, Any]:
     created = int(manifest.stat().st_mtime) if manifest.is_file() else 0  # when the bundle was written
     return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
             "bundle_id": pipe.bundle_id, "kind": pipe.kind.name, "title": pipe.kind.title,
-            "image": pipe.kind.image, "last_image": pipe.kind.last_image, "experts": pipe.kind.experts,
-            "fps": fps, "defaults": {"steps": state.offer.steps, "guidance": m.defaults.guidance},
+            "image": pipe.kind.image, "last_image": pipe.kind.last_image, "video": state.offer.takes_video,
+            "mask": pipe.kind.vace, "reference_images": list(state.offer.reference_counts),
+            "video_to_video": m.video_to_video, "experts": pipe.kind.experts, "fps": fps,
+            "defaults": {"steps": state.offer.steps, "guidance": m.defaults.guidance,
+                         "guidance_2": m.defaults.guidance_2, "flow_shift": m.defaults.flow_shift,
+                         "sampler": m.defaults.sampler,
+                         "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
             "dtype": m.dtype, "quantize": m.quantize,
             "shapes": [{"size": g.size, "frames": g.frames, "seconds": seconds_of(g.frames, fps), "default": i == 0}
                        for i, g in enumerate(m.shapes)]}
@@ -241,7 +247,7 @@ def _create(state: State, body: Body) -> JSONResponse:
     try:
         job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
                               prompt=params["prompt"], params=params,
-                              images=[body.images[k] for k in IMAGE_FIELDS if k in body.images],
+                              images=[data for name in FILE_FIELDS for data in body.files.get(name, [])],
                               queue_size=state.settings.queue_size)
     except QueueFull:
         recent = state.job_seconds or [10.0]  # about one job's time frees a place in the queue

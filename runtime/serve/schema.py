@@ -25,22 +25,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import kinds
+from .. import kinds, samplers
 from ..errors import UserError
 from ..manifest import Defaults, Manifest
 from ..settings import MAX_SEED
 from .errors import ApiError
 
 MAX_BODY_BYTES = 32 << 20  # a request (form fields and images)
+MAX_VIDEO_BODY_BYTES = 256 << 20  # a request to a bundle that takes videos
 MAX_IMAGE_BYTES = 20 << 20  # one image file
+MAX_VIDEO_BYTES = 200 << 20  # one video file (a control or source video, a mask)
 MAX_IMAGE_PIXELS = 40_000_000  # one image, decoded
+MAX_VIDEO_PIXELS = 2_000_000_000  # one video, decoded: frames x width x height
 MAX_PROMPT_CHARS = 20_000
 MAX_STEPS = 1000  # per job: more would hold the one worker for hours (`serve --max-steps` lowers it)
 # Every step count up to MAX_STEPS has a usable schedule at any flow shift in this range (tests/test_openapi.py
 # checks its ends), so a request inside it never fails on its schedule.
 FLOW_SHIFT = (0.01, 100.0)
+SIGMA_MIN = 1e-6  # the smallest custom sigma: shifted by any flow shift in range it stays above float32's zero
 MAX_FPS = 240
 POLL_AFTER_MS = 250  # what the openai SDK's poll helpers wait between retrieves
+MAX_FILES = 16  # file parts in one form
 
 
 def seconds_of(frames: int, fps: int) -> str:
@@ -58,12 +63,24 @@ class Offer:
     kind: kinds.Kind
     defaults: Defaults
     max_steps: int = MAX_STEPS
+    video_to_video: bool = False  # a text-to-video bundle that takes a source video (Manifest.video_to_video)
+    reference_counts: tuple[int, ...] = (0,)  # VACE: the counts of reference images its programs serve
 
     @classmethod
     def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS) -> Offer:
         return cls(models=tuple(dict.fromkeys((name, manifest.bundle_id))),
-                   shapes=tuple((g.size, g.frames) for g in manifest.shapes), kind=kinds.get(manifest.kind),
-                   defaults=manifest.defaults, max_steps=max_steps)
+                   shapes=tuple(dict.fromkeys((g.size, g.frames) for g in manifest.shapes)),
+                   kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
+                   video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts))
+
+    @property
+    def takes_video(self) -> bool:
+        return self.kind.video != "none" or self.video_to_video
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest create request read: room for a video upload where the bundle takes videos."""
+        return MAX_VIDEO_BODY_BYTES if self.takes_video else MAX_BODY_BYTES
 
     @property
     def sizes(self) -> list[str]:
@@ -84,8 +101,9 @@ Bound = float | Callable[[Offer], float] | None
 
 @dataclass(frozen=True)
 class Field:
-    """One field of the create request. `type` is "string", "integer", "number" or "image" (a file part in a
-    multipart form, a base64 data URL in JSON)."""
+    """One field of the create request. `type` is "string", "integer", "number", "numbers" (a JSON array of numbers,
+    in a form their text joined by commas) or "file" (a file part in a multipart form, a base64 data URL in JSON;
+    `accepts` says what it holds, `repeat` how many times it may be sent)."""
 
     name: str
     type: str
@@ -101,6 +119,10 @@ class Field:
     default: Callable[[Offer], Any] | None = None  # what an absent field means, as documented
     offered: Callable[[Offer], bool] = lambda offer: True  # whether this bundle takes the field at all
     refusal: Callable[[Offer], str] | None = None  # the 400's message when it is sent where not offered
+    exclusive_minimum: bool = False  # the minimum itself is refused
+    max_items: Bound = None  # "numbers": the most items
+    accepts: Callable[[Offer], str] = lambda offer: "image"  # "file": "image" or "video"
+    repeat: Callable[[Offer], int] | None = None  # "file": how many times it may be sent (None: once)
 
     def bounds(self, offer: Offer) -> tuple[float | None, float | None]:
         return tuple(b(offer) if callable(b) else b for b in (self.minimum, self.maximum))  # type: ignore[return-value]
@@ -109,20 +131,37 @@ class Field:
         """What a valid value is, in words: "an integer in 1..1000"."""
         lo, hi = (b if isinstance(b, int) or b is None else f"{b:g}" for b in self.bounds(offer))
         what = "an integer" if self.type == "integer" else "a finite number"
+        if self.exclusive_minimum and hi is not None:
+            return f"{what} in ({lo}, {hi}]"
         if lo is not None and hi is not None:
             return f"{what} in {lo}..{hi}"
         return f"{what} >= {lo}" if lo is not None else what
 
     def schema(self, offer: Offer, form: bool) -> dict[str, Any]:
         """The field's JSON Schema in the request body of a JSON (form=False) or multipart (form=True) request."""
-        if self.type == "image":
+        if self.type == "file":
+            media = self.accepts(offer)
             if form:
-                return {"type": "string", "format": "binary", "description": self.description}
-            return {"type": "string", "description": self.description + " In JSON: a base64 data URL "
-                    "(data:image/png;base64,...) or bare base64."}
+                one = {"type": "string", "format": "binary", "description": self.description}
+            else:
+                one = {"type": "string", "description": self.description + f" In JSON: a base64 data URL "
+                       f"(data:{media}/{'png' if media == 'image' else 'mp4'};base64,...) or bare base64."}
+            if self.repeat is None:
+                return one
+            return {"type": "array", "items": {k: v for k, v in one.items() if k != "description"},
+                    "maxItems": self.repeat(offer), "description": self.description}
+        if self.type == "numbers":  # in a form, the numbers as text, comma-separated
+            lo, hi = self.bounds(offer)
+            if form:
+                return {"type": "string", "pattern": sigmas_text(_bound(self.max_items, offer)).pattern,
+                        "description": self.description}
+            item = {"type": "number", "minimum": lo, "maximum": hi}
+            return {"type": "array", "items": item, "minItems": 1, "maxItems": _bound(self.max_items, offer),
+                    "description": self.description}
         out: dict[str, Any] = {"type": self.type, "description": self.description}
         lo, hi = self.bounds(offer)
-        out.update({k: v for k, v in (("minimum", lo), ("maximum", hi), ("maxLength", self.max_length),
+        low = "exclusiveMinimum" if self.exclusive_minimum else "minimum"
+        out.update({k: v for k, v in ((low, lo), ("maximum", hi), ("maxLength", self.max_length),
                                       ("pattern", self.pattern)) if v is not None})
         if self.enum is not None:
             out["enum"] = self.enum(offer)
@@ -137,9 +176,23 @@ class Field:
             number = _number(value, self.type == "integer", form)
             lo, hi = self.bounds(offer)
             if number is None or not math.isfinite(number) or (lo is not None and number < lo) or \
-                    (hi is not None and number > hi):
+                    (hi is not None and number > hi) or (self.exclusive_minimum and number == lo):
                 raise ApiError(400, f"{self.name} must be {self.what(offer)}, got {value!r}", self.name)
             return number
+        if self.type == "numbers":  # a form's text: comma-separated decimals (_SIGMAS_TEXT)
+            text = sigmas_text(_bound(self.max_items, offer))
+            items = [float(v) for v in value.split(",")] \
+                if form and isinstance(value, str) and text.fullmatch(value) else None if form else value
+            lo, hi = self.bounds(offer)
+            if not isinstance(items, list) or not items or any(
+                    (n := _number(v, False, False)) is None or not math.isfinite(n) or n < lo or n > hi
+                    for v in items):
+                what = "comma-separated decimals" if form else "a list of numbers"
+                raise ApiError(400, f"{self.name} must be {what} in {lo:g}..{hi:g}, got {value!r}", self.name)
+            levels = sorted({float(v) for v in items}, reverse=True)  # the distinct levels, run from the highest
+            if len(levels) > _bound(self.max_items, offer):
+                raise ApiError(400, f"{self.name}: {len(levels)} levels, more than this server runs", self.name)
+            return levels
         if not isinstance(value, str):
             raise ApiError(400, f"{self.name} must be a string, got {value!r}", self.name)
         if self.max_length is not None and len(value) > self.max_length:
@@ -170,6 +223,20 @@ def _number(value: Any, integer: bool, form: bool) -> float | int | None:
     return value
 
 
+# A form's sigmas: decimals in SIGMA_MIN..1 with at most 6 places (1, 0.75, .000001), comma-separated, as JSON Schema
+# (ECMA) and Python read the same pattern (`sigmas_text`: at most as many as the server runs steps).
+_SIGMA = (r"(1(\.0{1,6})?|0?\.([1-9][0-9]{0,5}|0[1-9][0-9]{0,4}|00[1-9][0-9]{0,3}|000[1-9][0-9]{0,2}|0000[1-9][0-9]?"
+          r"|00000[1-9]))")
+
+
+def sigmas_text(most: int) -> re.Pattern[str]:
+    return re.compile(f"^{_SIGMA}(,{_SIGMA}){{0,{most - 1}}}$")
+
+
+def _bound(b: Bound, offer: Offer) -> Any:
+    return b(offer) if callable(b) else b
+
+
 def _two_experts(offer: Offer) -> bool:
     return offer.kind.experts > 1
 
@@ -188,13 +255,30 @@ FIELDS: tuple[Field, ...] = (
     Field("seconds", "string", "The duration, one of those GET /v1/models lists for the size (frames at the "
           "bundle's frame rate); left out, the default shape's frame count. `fps` sets the rate the mp4 plays at, "
           "not the frame count."),
-    Field("input_reference", "image", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...).",
-          offered=lambda o: o.kind.image != "none",
-          refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image (export an image-to-video model "
-                            "for that)"),
-    Field("last_image", "image", "The last frame (first-last-frame bundles).", offered=lambda o: o.kind.last_image,
+    Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), or the "
+          "control or source video (VACE and video-to-video bundles; mp4, webm, gif): its frame count picks the "
+          "video's frames.",
+          offered=lambda o: o.kind.image != "none" or o.takes_video,
+          accepts=lambda o: "video" if o.takes_video else "image",
+          refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image or video (export an image-to-video, "
+                            "VACE or video-to-video model for that)"),
+    Field("last_image", "file", "The last frame (first-last-frame bundles).", offered=lambda o: o.kind.last_image,
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no last image (that needs a "
                             "first-last-frame model such as Wan2.1-FLF2V)"),
+    Field("mask", "file", "VACE: the mask video, white = generate, black = keep (one frame per video frame).",
+          offered=lambda o: o.kind.vace, accepts=lambda o: "video",
+          refusal=lambda o: f"this bundle is {o.kind.title}: it takes no mask (masks are for VACE models)"),
+    Field("reference_image", "file", "VACE: a reference image (repeat the field for several; the bundle serves the "
+          "counts GET /v1/models lists).", offered=lambda o: o.kind.reference_images and max(o.reference_counts) > 0,
+          repeat=lambda o: max(o.reference_counts),
+          refusal=lambda o: f"this bundle is {o.kind.title}: it takes no reference images"),
+    Field("conditioning_scale", "number", "VACE: the scale of the VACE branch's hints.", param="conditioning_scale",
+          minimum=0, maximum=100, default=lambda o: 1.0, offered=lambda o: o.kind.vace,
+          refusal=lambda o: f"conditioning_scale is for VACE models; this bundle is {o.kind.title}"),
+    Field("strength", "number", "Video-to-video: how much of the source video is replaced (the steps after the "
+          "first int(steps x (1 - strength)) run).", param="strength", minimum=0, maximum=1, exclusive_minimum=True,
+          default=lambda o: 0.8, offered=lambda o: o.video_to_video,
+          refusal=lambda o: f"strength is for video-to-video bundles; this bundle is {o.kind.title}"),
     Field("seed", "integer", "The noise seed (jax.random).", param="seed", minimum=0, maximum=MAX_SEED,
           default=lambda o: 0),
     Field("num_inference_steps", "integer", "Denoising steps.", param="steps", minimum=1,
@@ -207,11 +291,18 @@ FIELDS: tuple[Field, ...] = (
                             "expert: use guidance_scale"),
     Field("flow_shift", "number", "The scheduler's flow shift.", param="flow_shift", minimum=FLOW_SHIFT[0],
           maximum=FLOW_SHIFT[1], default=lambda o: o.defaults.flow_shift),
+    Field("sampler", "string", "The sampler: unipc (UniPCMultistepScheduler), euler (FlowMatchEulerDiscreteScheduler) "
+          "or dpm++ (DPMSolverMultistepScheduler).", param="sampler", enum=lambda o: list(samplers.SAMPLERS),
+          default=lambda o: o.defaults.sampler, mismatch="sampler {value!r} is not one of {choices}"),
+    Field("sigmas", "numbers", "Custom noise levels before the flow shift (e.g. 1, 0.75, 0.5, 0.25), one step per "
+          "distinct level, run from the highest down (so any order): they set the step count, so "
+          "num_inference_steps is left out. In a form: comma-separated decimals.",
+          param="sigmas", minimum=SIGMA_MIN, maximum=1, max_items=lambda o: o.max_steps),
     Field("fps", "integer", "The frame rate the mp4 plays at.", param="fps", minimum=1, maximum=MAX_FPS,
           default=lambda o: o.defaults.fps),
 )
 BY_NAME = {f.name: f for f in FIELDS}
-IMAGE_FIELDS = tuple(f.name for f in FIELDS if f.type == "image")
+FILE_FIELDS = tuple(f.name for f in FIELDS if f.type == "file")
 
 
 # -- the document ----------------------------------------------------------------
@@ -219,10 +310,12 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     """The create request's body as JSON Schema: a JSON object (form=False) or a multipart form (form=True)."""
     fields = [f for f in FIELDS if f.offered(offer)]
     required = [f.name for f in fields if f.required]
-    if offer.kind.image == "required":
-        required += [f.name for f in fields if f.type == "image"]
+    if offer.kind.image == "required":  # the first image, and the last for first-last-frame bundles
+        required += ["input_reference"] + (["last_image"] if offer.kind.last_image else [])
     schema = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields}, "required": required,
-              "additionalProperties": False}
+              "additionalProperties": False,
+              # sigmas set the step count: a request gives one or the other
+              "not": {"required": ["sigmas", "num_inference_steps"]}}
     schema.update(_seconds_schema(offer, schema["properties"]["seconds"]))
     return schema
 
@@ -244,46 +337,96 @@ def _seconds_schema(offer: Offer, seconds: dict[str, Any]) -> dict[str, Any]:
 # -- reading and checking a request ------------------------------------------------
 @dataclass
 class Body:
-    """A create request as sent: its fields (images apart, as bytes) and whether it came as a form (whose numbers
-    are text)."""
+    """A create request as sent: its fields (files apart, as bytes, a list per field: reference_image repeats) and
+    whether it came as a form (whose numbers are text)."""
 
     fields: dict[str, Any]
-    images: dict[str, bytes]
+    files: dict[str, list[bytes]]
     form: bool
+
+
+# A job's media, by the role each file plays in the run (Job.images keeps them in this order; params["media"] names
+# them): jobs queued before videos carry no names, their files being [first image, last image].
+MEDIA_ROLES = {"input_reference": "image", "last_image": "last_image", "mask": "mask",
+               "reference_image": "reference_image"}
 
 
 def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None) -> dict[str, Any]:
     """The job's params from a create request, checked as the CLI checks its flags; an ApiError(400) naming the
     field otherwise."""
-    for name in [*body.fields, *body.images]:
+    for name in [*body.fields, *body.files]:
         f = BY_NAME.get(name)
         if f is None:
             raise ApiError(400, f"unknown field {name!r}", name)
         if not f.offered(offer):
             raise ApiError(400, f.refusal(offer) if f.refusal else f"{name} is not taken by this bundle", name)
+        if f.type == "file" and len(body.files.get(name, [])) > (f.repeat(offer) if f.repeat else 1):
+            most = f.repeat(offer) if f.repeat else 1
+            raise ApiError(400, f"{name} is sent {len(body.files[name])} times; this bundle takes at most {most}",
+                           name)
     values = {name: BY_NAME[name].check(value, offer, body.form) for name, value in body.fields.items()}
+    if "sigmas" in values and "num_inference_steps" in values:
+        raise ApiError(400, "give sigmas or num_inference_steps, not both: sigmas set the step count", "sigmas")
     for f in FIELDS:
         if f.required and f.name not in values:
             raise ApiError(400, f.mismatch or f"{f.name} is required", f.name)
     params: dict[str, Any] = {f.param: values.get(f.name) for f in FIELDS if f.param}
-    params.update(negative_prompt=values.get("negative_prompt", ""), seed=values.get("seed", 0),
-                  steps=values.get("num_inference_steps", offer.steps),
+    steps = values.get("num_inference_steps")
+    if steps is None and "sigmas" not in values and offer.defaults.steps > offer.max_steps:
+        steps = offer.max_steps  # the bundle's default steps, within the server's limit
+    params.update(negative_prompt=values.get("negative_prompt", ""), seed=values.get("seed", 0), steps=steps,
                   size=values.get("size", offer.sizes[0]), fps=values.get("fps", offer.defaults.fps))
-    params["frames"] = _frames(params["size"], values.get("seconds"), offer)
+    media = _check_media(body.files, offer)
+    params["frames"] = _frames(params["size"], values.get("seconds"), offer, media.get("video_frames"))
     params["seconds"] = seconds_of(params["frames"], params["fps"])  # the mp4's duration, at the request's fps
     params["magcache"] = magcache
+    params["media"] = [MEDIA_ROLES[name] if not (name == "input_reference" and offer.takes_video) else "video"
+                       for name in FILE_FIELDS for _ in body.files.get(name, [])]
+    if "mask" in body.files and "input_reference" in body.files and media["mask_frames"] != media["video_frames"]:
+        raise ApiError(400, f"mask has {media['mask_frames']} frames, the video {media['video_frames']}: give one "
+                            "mask frame per video frame", "mask")
+    if "mask" in body.files and "input_reference" not in body.files and media["mask_frames"] != params["frames"]:
+        raise ApiError(400, f"mask has {media['mask_frames']} frames; this video has {params['frames']}", "mask")
+    if "mask" in body.files and "input_reference" in body.files and media["mask_size"] != media["video_size"]:
+        raise ApiError(400, "mask is {}x{}, the video {}x{}: give a mask of the video's size".format(
+            *media["mask_size"], *media["video_size"]), "mask")
+    refs = len(body.files.get("reference_image", []))
+    if offer.kind.reference_images and refs not in offer.reference_counts:
+        counts = " or ".join(map(str, offer.reference_counts))
+        raise ApiError(400, f"{refs} reference images: this bundle serves {counts}", "reference_image")
+    if offer.video_to_video and "strength" in values and "input_reference" not in body.files:
+        raise ApiError(400, "strength goes with a source video (input_reference)", "strength")
     try:  # the fields are each in range; the schedule their step count and flow shift make is checked here
-        pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"])
-    except UserError as e:  # only the schedule can fail here: name the flow shift if it was asked for
-        raise ApiError(400, str(e).replace("flow shift", "flow_shift"),
-                       "flow_shift" if "flow_shift" in values else "num_inference_steps") from None
-    _check_images(body.images, offer)
+        s = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"],
+                          params["guidance_2"], params["sampler"], params["sigmas"])
+    except UserError as e:  # the schedule, or sigmas that do not fit: name the field
+        message = str(e)
+        field = "sigmas" if "sigmas" in message else "flow_shift" if "flow_shift" in values else "num_inference_steps"
+        raise ApiError(400, message.replace("flow shift", "flow_shift").replace("steps:", "num_inference_steps:"),
+                       field) from None
+    if s.steps > offer.max_steps:
+        raise ApiError(400, f"{s.steps} steps are more than this server runs ({offer.max_steps})",
+                       "sigmas" if "sigmas" in values else "num_inference_steps")
+    if offer.video_to_video and "input_reference" in body.files:
+        if samplers.start_step(s.steps, params["strength"] or 0.8) >= s.steps:
+            raise ApiError(400, f"strength {params['strength'] or 0.8:g} of {s.steps} steps runs no step: raise the "
+                                "strength or num_inference_steps", "strength")
     return params
 
 
-def _frames(size: str, seconds: str | None, offer: Offer) -> int:
-    """The frame count `seconds` asks for at `size`; left out, the default shape's (or the size's first)."""
+def _frames(size: str, seconds: str | None, offer: Offer, video_frames: int | None = None) -> int:
+    """The frame count `seconds` asks for at `size`; left out, the video's (a source or control video) or the
+    default shape's (or the size's first)."""
     durations = offer.durations(size)
+    if video_frames is not None:
+        if video_frames not in durations.values():
+            made = " or ".join(f"{n} frames ({s} s)" for s, n in durations.items())
+            raise ApiError(400, f"input_reference has {video_frames} frames; this bundle makes {made} at {size}",
+                           "input_reference")
+        if seconds is not None and durations.get(seconds) != video_frames:
+            raise ApiError(400, f"seconds {seconds!r} is not the video's duration ({video_frames} frames): leave "
+                                "seconds out", "seconds")
+        return video_frames
     if seconds is None:
         default = offer.shapes[0][1]
         return default if default in durations.values() else next(iter(durations.values()))
@@ -294,17 +437,30 @@ def _frames(size: str, seconds: str | None, offer: Offer) -> int:
     return durations[seconds]
 
 
-def _check_images(images: dict[str, bytes], offer: Offer) -> None:
-    try:
-        kinds.check_images(offer.kind, images.get("input_reference"), images.get("last_image"))
-    except UserError as e:
-        message = str(e)
-        for cli, api in (("--image FILE / image=...", "input_reference"), ("(--image)", "(input_reference)"),
-                         ("--last-image FILE / last_image=...", "last_image")):
-            message = message.replace(cli, api)
-        raise ApiError(400, message, "last_image" if "last image" in message else "input_reference") from None
-    for name, data in images.items():
-        check_image(name, data)
+def _check_media(files: dict[str, list[bytes]], offer: Offer) -> dict[str, Any]:
+    """Check every uploaded file (images decode, videos decode and count their frames); returns what the other
+    checks need: the video's and the mask's frame counts and sizes."""
+    out: dict[str, Any] = {}
+    if not offer.takes_video:
+        first, last = (files.get(n, [None])[0] for n in ("input_reference", "last_image"))
+        try:
+            kinds.check_images(offer.kind, first, last)
+        except UserError as e:
+            message = str(e)
+            for cli, api in (("--image FILE / image=...", "input_reference"), ("(--image)", "(input_reference)"),
+                             ("--last-image FILE / last_image=...", "last_image")):
+                message = message.replace(cli, api)
+            raise ApiError(400, message, "last_image" if "last image" in message else "input_reference") from None
+    for name, items in files.items():
+        video = BY_NAME[name].accepts(offer) == "video"
+        for data in items:
+            if not video:
+                check_image(name, data)
+                continue
+            frames = check_video(name, data)
+            key = "video" if name == "input_reference" else name
+            out[f"{key}_frames"], out[f"{key}_size"] = len(frames), frames[0].size
+    return out
 
 
 def check_image(name: str, data: bytes) -> None:
@@ -327,6 +483,37 @@ def check_image(name: str, data: bytes) -> None:
         raise ApiError(400, str(e), name) from None
 
 
+def check_video(name: str, data: bytes) -> list[Any]:
+    """The frames of an uploaded video (mp4, webm, gif, ...); ApiError(400) naming the field if it is too large,
+    not a video or empty."""
+    if len(data) > MAX_VIDEO_BYTES:
+        raise ApiError(400, f"{name} is larger than {MAX_VIDEO_BYTES >> 20} MB", name)
+    try:
+        frames = read_video_bytes(data, name)
+    except UserError as e:
+        raise ApiError(400, str(e), name) from None
+    w, h = frames[0].size
+    if len(frames) * w * h > MAX_VIDEO_PIXELS:
+        raise ApiError(400, f"{name} has {len(frames)} frames of {w}x{h} pixels, more than this server reads", name)
+    return frames
+
+
+def read_video_bytes(data: bytes, what: str) -> list[Any]:
+    """An uploaded video's frames (PIL images): written to a temporary file named for its container (GIF, WebM /
+    Matroska, else MP4 / MOV) and read as a video file is (runtime/video_input.py)."""
+    import tempfile
+    from pathlib import Path
+
+    from ..video_input import load_frames
+
+    suffix = ".gif" if data[:4] == b"GIF8" else ".webm" if data[:4] == b"\x1a\x45\xdf\xa3" else ".mp4"
+    with tempfile.TemporaryDirectory(prefix="wan-aot-upload-") as tmp:
+        path = Path(tmp) / f"{what}{suffix}"
+        path.write_bytes(data)
+        frames = load_frames(path, what)
+        return [f.copy() for f in frames]
+
+
 def decode_data_url(name: str, value: str) -> bytes:
     """JSON requests carry images as data URLs (data:image/png;base64,...) or bare base64."""
     payload = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
@@ -337,51 +524,61 @@ def decode_data_url(name: str, value: str) -> bytes:
                        name) from None
 
 
-async def read_limited(request: Any) -> bytes:
-    """The body, refusing more than MAX_BODY_BYTES as it streams in (chunked bodies have no Content-Length)."""
+async def read_limited(request: Any, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, refusing more than `limit` bytes as it streams in (chunked bodies have no Content-Length)."""
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
-        if total > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES >> 20} MB")
+        if total > limit:
+            raise ApiError(413, f"request body larger than {limit >> 20} MB")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-async def read_body(request: Any) -> Body:
-    """A JSON or multipart/form-data body; any other media type is a 415."""
+async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> Body:
+    """A JSON or multipart/form-data body of at most `limit` bytes; any other media type is a 415."""
     ctype = request.headers.get("content-type", "")
     media = ctype.split(";", 1)[0].strip().lower()
-    images: dict[str, bytes] = {}
+    files: dict[str, list[bytes]] = {}
     if media == "application/json":
         try:
-            fields = json.loads(await read_limited(request))
+            fields = json.loads(await read_limited(request, limit))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: JSON's, and too many digits
             raise ApiError(400, f"the body is not valid JSON ({e})") from None
         if not isinstance(fields, dict):
             raise ApiError(400, "the body must be a JSON object")
-        for name in IMAGE_FIELDS:
+        for name in FILE_FIELDS:
             if name in fields:
                 value = fields.pop(name)
-                if not isinstance(value, str):
-                    raise ApiError(400, f"{name} must be a base64 data URL string", name)
-                images[name] = decode_data_url(name, value)
-        return Body(fields, images, form=False)
+                repeated = BY_NAME[name].repeat is not None
+                items = value if repeated and isinstance(value, list) else [value]
+                if not all(isinstance(v, str) for v in items):
+                    raise ApiError(400, f"{name} must be a base64 data URL string{' or a list of them' * repeated}",
+                                   name)
+                files[name] = [decode_data_url(name, v) for v in items]
+        return Body(fields, files, form=False)
     if media == "multipart/form-data":
         if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
-            body = await read_limited(request)
+            body = await read_limited(request, limit)
             request._body = body  # Starlette parses the form from the cached body  # noqa: SLF001
-        form = await request.form(max_files=len(IMAGE_FIELDS), max_fields=64, max_part_size=MAX_IMAGE_BYTES)
+        form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=MAX_VIDEO_BYTES)
         fields = {}
         for name, value in form.multi_items():
+            if name.endswith("[]") and BY_NAME.get(name[:-2], FIELDS[0]).type == "numbers":
+                name = name[:-2]  # how the openai SDK sends a list in a form: one `sigmas[]` part an item
             if hasattr(value, "read"):  # an uploaded file
-                if name not in IMAGE_FIELDS:
-                    raise ApiError(400, f"unexpected file field {name!r} (images go in input_reference)", name)
-                images[name] = await value.read()
-            elif name in IMAGE_FIELDS:
-                images[name] = decode_data_url(name, value)
+                if name not in FILE_FIELDS:
+                    raise ApiError(400, f"unexpected file field {name!r} (images and videos go in input_reference)",
+                                   name)
+                files.setdefault(name, []).append(await value.read())
+            elif name in FILE_FIELDS:
+                files.setdefault(name, []).append(decode_data_url(name, value))
+            elif name in fields and name in BY_NAME and BY_NAME[name].type == "numbers":  # a list sent as parts
+                fields[name] = f"{fields[name]},{value}"
+            elif name in fields:
+                raise ApiError(400, f"{name} is sent twice", name)
             else:
                 fields[name] = value
-        return Body(fields, images, form=True)
+        return Body(fields, files, form=True)
     raise ApiError(415, f"unsupported content type {ctype or '(none)'!r}: send application/json or "
                         "multipart/form-data")

@@ -24,17 +24,24 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
             on_stage: Callable[[str], None] = lambda stage: None) -> None:
     """Generate one job's video (every process of a multi-host job runs this; only process 0 writes).
     `on_progress` follows the denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode")."""
-    from PIL import Image
-
     from ..magcache import MagCache
     from ..video import write_video
 
-    images = [Image.open(io.BytesIO(b)) for b in image_bytes]
-    steps = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"],
-                          params["guidance_2"]).steps
+    media = media_of(params, image_bytes)
+    s = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"],
+                      params.get("sampler"), params.get("sigmas"))
+    strength = params.get("strength")
+    run = {"conditioning_scale": params.get("conditioning_scale"), "strength": strength}
+    if media.get("video") is not None and pipe.manifest.video_to_video:
+        from ..samplers import start_step
+
+        steps = s.steps - start_step(s.steps, 0.8 if strength is None else strength)  # what video-to-video runs
+    else:
+        steps, run["strength"] = s.steps, None
     # Jobs queued before bundles had several shapes carry their size but no frames: the default shape's.
     shape = {"size": params.get("size"), "frames": params.get("frames")}
-    embeds = pipe.encode(params["prompt"], params["negative_prompt"], *(images + [None, None])[:2], **shape)
+    embeds = pipe.encode(params["prompt"], params["negative_prompt"], media.get("image"), media.get("last_image"),
+                         **shape, **{k: media[k] for k in ("video", "mask", "reference_images") if k in media})
     on_stage("encode")
     last = [time.perf_counter()]
 
@@ -45,14 +52,34 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         on_progress(min(99, int(100 * (i + 1) / steps)))
 
     magcache = MagCache(**params["magcache"]) if params.get("magcache") else None
-    latents = pipe.denoise(embeds, params["seed"], params["steps"], params["guidance"], params["flow_shift"],
-                           progress=False, on_step=step_done, guidance_2=params["guidance_2"], magcache=magcache,
-                           **shape)
+    latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=False, on_step=step_done,
+                           guidance_2=s.guidance_2, magcache=magcache, sampler=s.sampler, sigmas=s.sigmas,
+                           **{k: v for k, v in run.items() if v is not None}, **shape)
     on_stage("denoise")
     frames = pipe.decode(latents)
     on_stage("decode")
     if video is not None:
         write_video(frames[0], video, fps=params["fps"])
+
+
+def media_of(params: dict[str, Any], files: list[bytes]) -> dict[str, Any]:
+    """A job's files by what they are in the run (params["media"] names them in order, schema.MEDIA_ROLES): `image`
+    and `last_image` (PIL images), `video` and `mask` (PIL frames), `reference_images` (a list). Jobs queued before
+    videos name none: their files are the first image, then the last."""
+    from PIL import Image
+
+    from .schema import read_video_bytes
+
+    roles = params.get("media") or ["image", "last_image"][: len(files)]
+    out: dict[str, Any] = {}
+    for role, data in zip(roles, files, strict=True):
+        if role in ("video", "mask"):
+            out[role] = read_video_bytes(data, role)
+        elif role == "reference_image":
+            out.setdefault("reference_images", []).append(Image.open(io.BytesIO(data)))
+        else:
+            out[role] = Image.open(io.BytesIO(data))
+    return out
 
 
 def worker(state: State) -> None:

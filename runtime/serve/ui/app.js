@@ -67,6 +67,13 @@ function showModel(card) {
   $("steps").placeholder = String(card.defaults.steps);
   $("guidance").placeholder = String(card.defaults.guidance);
   $("guidance-2-field").hidden = card.experts < 2;
+  $("sampler").value = card.defaults.sampler;
+  $("sigmas").placeholder = card.defaults.sigmas ? card.defaults.sigmas.join(",") : "e.g. 1,0.75,0.5,0.25";
+  $("video-field").hidden = !card.video;
+  $("mask-field").hidden = !card.mask;
+  $("references-field").hidden = Math.max(...card.reference_images) === 0;
+  $("strength-field").hidden = !card.video_to_video;
+  $("conditioning-field").hidden = !card.mask;
   $("image-field").hidden = card.image === "none";
   $("image").required = card.image === "required";
   $("last-image-field").hidden = !card.last_image;
@@ -103,16 +110,26 @@ async function generate(event) {
   };
   const numbers = { num_inference_steps: "steps", guidance_scale: "guidance", seed: "seed" };
   if (model.experts > 1) numbers.guidance_scale_2 = "guidance-2";
+  if (model.video_to_video) numbers.strength = "strength";
+  if (model.mask) numbers.conditioning_scale = "conditioning";
   for (const [name, id] of Object.entries(numbers)) {
     if ($(id).value !== "") fields[name] = Number($(id).value);
   }
-  const images = { input_reference: $("image"), last_image: $("last-image") };
-  const withImages = Object.values(images).some((input) => input.files.length);
+  if ($("sampler").value !== model.defaults.sampler) fields.sampler = $("sampler").value;
+  const sigmas = $("sigmas").value.replace(/\s+/g, "");
+  if (sigmas !== "") {
+    fields.sigmas = sigmas;
+    delete fields.num_inference_steps; // sigmas set the step count
+  }
+  // files: the first frame or the video go in input_reference
+  const files = [["input_reference", $("image")], ["input_reference", $("video")], ["last_image", $("last-image")],
+    ["mask", $("mask")], ...[...$("references").files].map((f) => ["reference_image", { files: [f] }])];
+  const withFiles = files.some(([, input]) => input.files.length);
   let options;
-  if (withImages) {
+  if (withFiles || sigmas !== "") {
     const form = new FormData();
     for (const [name, value] of Object.entries(fields)) form.append(name, String(value));
-    for (const [name, input] of Object.entries(images)) if (input.files.length) form.append(name, input.files[0]);
+    for (const [name, input] of files) if (input.files.length) form.append(name, input.files[0]);
     options = { method: "POST", body: form };
   } else {
     options = { method: "POST", body: JSON.stringify(fields), headers: { "Content-Type": "application/json" } };
