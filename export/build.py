@@ -534,9 +534,10 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
             hints = PartitionSpec(None, *hidden)
             if batch not in heads:  # the step up to the first block is the same for every variant of this batch
                 carry = denoise_blocks.Carry()
-                fn = denoise_blocks.head(ex, own_step, carry, list(inputs).index("control_scale") if kind.vace else None)
-                head, carried = write_program(name, "transformer", fn, own_inputs,
-                                              denoise_blocks.VACE_HEAD_OUTPUTS if kind.vace else denoise_blocks.HEAD_OUTPUTS,
+                scale_at = list(inputs).index("control_scale") if kind.vace else None
+                head_outputs = denoise_blocks.VACE_HEAD_OUTPUTS if kind.vace else denoise_blocks.HEAD_OUTPUTS
+                head, carried = write_program(name, "transformer", denoise_blocks.head(ex, own_step, carry, scale_at),
+                                              own_inputs, head_outputs,
                                               output_partition=(hidden, PartitionSpec(), PartitionSpec(),
                                                                 *([hints] if kind.vace else [])))
                 heads[batch] = head, carried, carry

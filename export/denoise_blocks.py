@@ -10,12 +10,7 @@
                                                                MagCache's residual, last block's output minus
                                                                first block's input)
 
-The three run what the one-program step (export/denoise.py) runs, on the same values.
-
-A VACE model (WanVACETransformer3DModel) runs its VACE blocks before the main blocks, on the embedded input, and
-adds hint j, times its scale, after main block vace_layers[j]. Its head runs the VACE blocks (so it takes the
-shared keys and values, BlockLoop.head_takes_shared) and hands the scaled hints to the blocks as a fourth carried
-value, (VACE layers, B, S, dim); block i adds hint `VaceLayers.index[i]` after itself (none: index -1). Why split: XLA compiles
+The three run what the one-program step (export/denoise.py) runs, on the same values. Why split: XLA compiles
 every unrolled block of a one-program step into its own code. On CPU that is 30 copies at the 1.3B widths:
 loading the step's executable from the compilation cache took about 1 s and its first run 1.8-2.2 s longer
 than later runs (XLA's YNNPACK fusions build their executables on first execution, one after another); as
@@ -25,6 +20,11 @@ target compiles 1/L of the code (a 14B step on a TPU host: one block instead of 
 The head and tail trace the whole step with the blocks replaced (export/block_cache.py): the head returns what
 the first block would have been called with, the tail feeds the given hidden states out of the last block.
 What they compute but do not return is dropped by the compiler.
+
+A VACE model (WanVACETransformer3DModel) runs its VACE blocks before the main blocks, on the embedded input, and
+adds hint j, times its scale, after main block vace_layers[j]. Its head runs the VACE blocks (so it takes the
+shared keys and values, BlockLoop.head_takes_shared) and hands the scaled hints to the blocks as a fourth carried
+value, (VACE layers, B, S, dim); block i adds hint `vace_index(module)[i]` after itself (none: -1).
 """
 
 from __future__ import annotations

@@ -92,8 +92,9 @@ class Pipeline:
                                 "frames, or leave frames out")
             counts = [g.frames for g in self.manifest.shapes]
             if n not in counts:
-                raise UserError(f"the video has {n} frames; this bundle makes {' or '.join(map(str, sorted(set(counts))))}"
-                                f" (its shapes: {self.manifest.shapes_text()}): trim or pad the video, or export with "
+                made = " or ".join(map(str, sorted(set(counts))))
+                raise UserError(f"the video has {n} frames; this bundle makes {made} (its shapes: "
+                                f"{self.manifest.shapes_text()}): trim or pad the video, or export with "
                                 "--frames for its count (4k+1)")
             frames = n
         refs = len(reference_images or []) if self.kind.vace else None
@@ -551,8 +552,8 @@ class Pipeline:
                 if len(found) == 1 or (found and size is not None):
                     return found[0]
                 if len(found) > 1:
-                    raise UserError(f"{key} fits several of this bundle's shapes ({', '.join(g.describe() for g in found)})"
-                                    ": give size and frames")
+                    fits = ", ".join(g.describe() for g in found)
+                    raise UserError(f"{key} fits several of this bundle's shapes ({fits}): give size and frames")
         if size is not None or frames is not None or len(self.manifest.shapes) == 1:
             return self.shape(size, frames)
         condition = embeds.get("condition") if isinstance(embeds, dict) else None

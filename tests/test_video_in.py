@@ -69,8 +69,8 @@ def _mask(frames: int, width: int, height: int) -> list:
 
 
 def _diffusers(checkpoint: Path, cls: str):
-    import torch
     import diffusers
+    import torch
 
     ref = getattr(diffusers, cls).from_pretrained(str(checkpoint), dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
@@ -355,8 +355,8 @@ def test_the_playground_takes_a_video_mask_and_references(bundles, tmp_path) -> 
         page = browser.new_page()
         page.goto(server.url + "/")
         sync_api.expect(page.get_by_label("Prompt", exact=True)).to_be_visible()
-        for shown in ("Video (control or source)", "Mask video (white areas are made anew)", "Reference images", "Sampler",
-                      "Control scale"):
+        for shown in ("Video (control or source)", "Mask video (white areas are made anew)", "Reference images",
+                      "Sampler", "Control scale"):
             assert page.get_by_label(shown).is_visible(), shown
         for hidden in ("Image (first frame)", "Strength"):
             assert not page.get_by_label(hidden).is_visible(), hidden
