@@ -56,6 +56,7 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                      "max_sequence_length": g.max_sequence_length, "latents": list(g.latent_shape),
                      "prompt_embeds": list(g.embeds_shape)},
         "shapes": [{"size": s.size, "width": s.width, "height": s.height, "frames": s.frames,
+                    "reference_images": s.reference_images,
                     "seconds": round(s.frames / m.defaults.fps, 4), "latents": list(s.latent_shape),
                     "default": i == 0} for i, s in enumerate(m.shapes)],
         "dtype": m.dtype, "quantize": m.quantize, "attention": m.attention,
@@ -85,8 +86,10 @@ def format_text(s: dict[str, Any]) -> str:
         + (f", {t['device_kind']}" if t["device_kind"] else ""),
         f"video      {g['width']}x{g['height']}, {g['frames']} frames, batch {g['batch']}; latents {g['latents']}, "
         f"prompt embeds {g['prompt_embeds']} (max {g['max_sequence_length']} tokens)",
-        f"shapes     {len(s['shapes'])}: " + ", ".join(f"{x['size']} x {x['frames']} frames ({x['seconds']:g} s)"
-                                                     + (" default" if x["default"] else "") for x in s["shapes"]),
+        f"shapes     {len(s['shapes'])}: " + ", ".join(
+            f"{x['size']} x {x['frames']} frames ({x['seconds']:g} s)"
+            + (f" + {x['reference_images']} reference image{'s' * (x['reference_images'] > 1)}"
+               if x.get("reference_images") else "") + (" default" if x["default"] else "") for x in s["shapes"]),
         f"dtype      {s['dtype']} (VAE fp32); attention {_kv(s['attention'])}",
         f"defaults   {d['steps']} {d['sampler']} steps"
         + (f" (sigmas {', '.join(f'{v:g}' for v in d['sigmas'])})" if d.get("sigmas") else "")

@@ -32,6 +32,8 @@ CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --
     "ti2v-5b-720p-v6e-8": ("wan2.2-ti2v-5b", "720p", "tpu-v6e-8", 8, 24, 121, None),
     "i2v-14b-720p-v6e-16": ("wan2.1-i2v-14b-720p", "720p", "tpu-v6e-16", 16, 40, 81, "int8"),
     "i2v-a14b-480p-v6e-8": ("wan2.2-i2v-a14b", "480p", "tpu-v6e-8", 8, 40, 81, "fp8"),
+    # VACE: its VACE blocks beside the 40, programs for 0 and 1 reference images
+    "vace-14b-720p-v6e-8": ("wan2.1-vace-14b", "720p", "tpu-v6e-8", 8, 40, 81, "int8"),
 }
 EXPORT_SECONDS = 120  # the issue's bound for one of these exports on this 2-core machine
 
@@ -96,9 +98,10 @@ def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path
     denoise = {kinds.denoise_program(e, v) for e in range(kind.experts) for v in kinds.DENOISE_VARIANTS
                if v != "cached"}
     for name, spec in m.programs.items():
-        # a denoise step attends in its block program (run once per block), not in its head and tail
+        # a denoise step attends in its block program (run once per block), not in its head and tail (but a VACE
+        # model's head, which runs the VACE blocks)
         base = kinds.base_program(name)
-        files = [(spec.file, base in denoise and spec.blocks is None)]
+        files = [(spec.file, base in denoise and (spec.blocks is None or kind.vace))]
         if spec.blocks is not None:
             assert base in denoise and spec.blocks.layers == m.source["config"]["transformer"]["num_layers"]
             files += [(spec.blocks.block.file, True), (spec.blocks.tail.file, False)]
@@ -135,15 +138,24 @@ def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> No
     assert i2v.programs["vae_encode_next"].inputs["pixels"].shape == (1, 3, 4, 720, 1280)
     i2v_moe = mf.read(tpu_bundles["i2v-a14b-480p-v6e-8"])
     assert (i2v_moe.kind, i2v_moe.boundary_ratio) == ("i2v-moe", 0.9) and "image_encoder" not in i2v_moe.programs
+    vace = mf.read(tpu_bundles["vace-14b-720p-v6e-8"])
+    assert vace.kind == "vace" and [g.reference_images for g in vace.shapes] == [0, 1]
+    step, one_ref = vace.programs["denoise_step"], vace.programs["denoise_step@1280x720x81r1"]
+    assert step.inputs["control"].shape == (1, 96, 21, 90, 160) and step.inputs["control_scale"].shape == (8,)
+    assert one_ref.inputs["control"].shape == (1, 96, 22, 90, 160)  # the reference image's latent frame first
+    assert one_ref.inputs["state"].shape[3] == 22 and step.blocks.head_takes_shared  # the head runs VACE's blocks
+    assert vace.programs["cross_kv"].outputs["kv"].shape[0] == 40 + 8  # the VACE blocks' keys and values too
+    assert vace.programs["vae_encode_next"].inputs["pixels"].shape == (1, 3, 4, 720, 1280)
+    assert "vace_blocks.0.proj_in.weight" in vace.weights["transformer"].tensors
 
 
 # MagCache's cached step skips the blocks and what only feeds them: the text and image
 # embedders and the per-block timestep projection (the head's time embedding still runs).
 BLOCKS_ONLY = ("blocks.", "condition_embedder.text_embedder.", "condition_embedder.time_proj.",
-               "condition_embedder.image_embedder.")
+               "condition_embedder.image_embedder.", "vace_blocks.", "vace_patch_embedding.")
 # What cross_kv computes once per prompt (export/cross_kv.py): the steps leave these weights unused, and it
 # leaves every other weight of the DiT unused.
-CROSS_KV = re.compile(r"(blocks\.\d+\.attn2\.(to_k|to_v|norm_k|add_k_proj|add_v_proj|norm_added_k)"
+CROSS_KV = re.compile(r"((vace_)?blocks\.\d+\.attn2\.(to_k|to_v|norm_k|add_k_proj|add_v_proj|norm_added_k)"
                       r"|condition_embedder\.(text|image)_embedder)\.")
 
 
@@ -176,6 +188,9 @@ def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], cas
             assert want == partition_spec(wf.partition[tensor]), (name, tensor)
             assert spec in (want, None), (name, tensor)
     dit = _program_specs(bundle, m.programs["denoise_step"])
+    if "vace_blocks.0.attn1.to_q.weight" in dit:  # a VACE model's VACE blocks: the blocks' rules
+        assert dit["vace_blocks.0.attn1.to_q.weight"] == PartitionSpec("tp")
+        assert dit["vace_blocks.0.ffn.net.2.weight"] == PartitionSpec(None, "tp")
     assert dit["blocks.0.attn1.to_q.weight"] == PartitionSpec("tp")  # column-parallel
     assert dit["blocks.0.attn2.to_out.0.weight"] == PartitionSpec(None, "tp")  # row-parallel
     assert dit["blocks.0.ffn.net.0.proj.weight"] == PartitionSpec("tp")

@@ -72,6 +72,7 @@ class Shape(_Strict):
     frames: int
     seconds: str = Field(description="frames at the bundle's fps: a value `seconds` takes")
     default: bool
+    reference_images: int = Field(description="VACE: the reference images this shape's programs take (0 else)")
 
 
 class Defaults(_Strict):

@@ -237,7 +237,8 @@ def model_card(state: State) -> dict[str, Any]:
                          "sampler": m.defaults.sampler,
                          "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
             "dtype": m.dtype, "quantize": m.quantize,
-            "shapes": [{"size": g.size, "frames": g.frames, "seconds": seconds_of(g.frames, fps), "default": i == 0}
+            "shapes": [{"size": g.size, "frames": g.frames, "seconds": seconds_of(g.frames, fps), "default": i == 0,
+                        "reference_images": g.reference_images}
                        for i, g in enumerate(m.shapes)]}
 
 
