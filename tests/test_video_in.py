@@ -374,3 +374,38 @@ def test_the_playground_takes_a_video_mask_and_references(bundles, tmp_path) -> 
         client = server.client(key="unused")
         job = client.videos.list(limit=1).data[0]
         assert np.abs(_served(client, job.id, tmp_path) - want).max() <= 1
+
+
+def test_vace_with_magcache_cfg_free_steps_int8_and_verify(bundles, video_checkpoints, tmp_path) -> None:
+    """What the other kinds have works on VACE: MagCache (calibrated, then skipping steps: its cached step skips the
+    VACE branch with the blocks), CFG-free steps (guidance 1 runs the cond-only program: the CFG program's result),
+    int8 weights (close to fp32), and verify."""
+    from tools.quality import psnr
+
+    _, res, frames, max_len, extra = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    video = _video(frames, width, height, seed=21)
+    pipe = runtime.load(bundles["vace"])
+    embeds = pipe.encode(PROMPT, NEGATIVE, video=video)
+    full = pipe.denoise(embeds, seed=1, steps=8, guidance=5.0, progress=False)
+    ratios = pipe.calibrate(embeds, seed=1, steps=8, guidance=5.0, progress=False)
+    cache = runtime.MagCache(ratios, threshold=0.5, retention_ratio=0.2)
+    assert cache.schedule([0] * 8).count(False) > 0  # some steps are skipped
+    cached = pipe.denoise(embeds, seed=1, steps=8, guidance=5.0, magcache=cache, progress=False)
+    assert 0 < np.abs(cached - full).max() and psnr(pipe.decode(cached), pipe.decode(full)) > 20
+    cond = pipe.denoise(embeds, seed=1, steps=3, guidance=1.0, progress=False)
+    programs = pipe.step_programs
+    pipe.step_programs = lambda *a, **k: ["denoise_step"] * 3
+    np.testing.assert_allclose(pipe.denoise(embeds, seed=1, steps=3, guidance=1.0, progress=False), cond,
+                               rtol=0, atol=1e-5)
+    pipe.step_programs = programs
+    int8 = tmp_path / "int8"
+    run_module("export", "--model", str(video_checkpoints["vace"]), "--resolution", res, "--frames", str(frames),
+               "--dtype", "fp32", "--max-sequence-length", str(max_len), *extra, "--quantize", "int8", "--out",
+               str(int8), "-q")
+    q = runtime.load(int8)
+    assert q.manifest.weights["transformer"].quantized.get("vace_blocks.0.attn1.to_q.weight") == "int8"
+    ours = q.generate(PROMPT, NEGATIVE, seed=2, steps=3, video=video, progress=False)
+    ref = pipe.generate(PROMPT, NEGATIVE, seed=2, steps=3, video=video, progress=False)
+    assert psnr(ours, ref) > 30
+    assert "ready to run" in run_cli("runtime", "verify", str(int8)).stdout
