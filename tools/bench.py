@@ -37,6 +37,7 @@ from benchmarks import (  # noqa: E402
     serve,
     speedups,
     startup,
+    vace,
 )
 from benchmarks.common import Usage, emit, run_child  # noqa: E402
 
@@ -49,6 +50,7 @@ MEASURES = {  # name: (module, the question it answers)
     "serve": (serve, "serving throughput and latency: one replica, two on PostgreSQL, one killed"),
     "load": (load, "load against servers already running (loopback)"),
     "speedups": (speedups, "CFG-free steps and MagCache: speed-up and fidelity"),
+    "vace": (vace, "what VACE's branch costs a denoising step, against text-to-video at the same shape"),
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),

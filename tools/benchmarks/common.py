@@ -34,6 +34,13 @@ def _spec_1_3b() -> dict[str, Any]:
                 text_encoder=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=1, num_heads=2), flow_shift=3.0)
 
 
+def _spec_vace_1_3b() -> dict[str, Any]:
+    """Wan2.1-VACE-1.3B's widths: the 1.3B DiT with its 15 VACE blocks (random weights), the real VAE."""
+    from export.architectures import ARCHITECTURES
+
+    return {**_spec_1_3b(), "transformer": dict(ARCHITECTURES["wan2.1-vace-1.3b"]["transformer"]), "pipeline": "vace"}
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and a shape that a benchmark runs, built once under --work (a diffusers checkpoint, then bundles)."""
@@ -57,6 +64,8 @@ WORKLOADS = {w.name: w for w in (
     # one layer of the XXL width, which is what the DiT sees.
     Workload("1.3b", "the real Wan2.1-1.3B DiT and Wan VAE with random weights, a 1-layer UMT5 of the XXL width",
              _spec_1_3b, 128, 128, 9),
+    Workload("vace-1.3b", "the 1.3b workload as Wan2.1-VACE-1.3B: its 15 VACE blocks beside the 30 blocks",
+             _spec_vace_1_3b, 128, 128, 9),
 )}
 
 

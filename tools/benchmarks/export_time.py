@@ -22,6 +22,9 @@ MODELS = {
                                                                                 "tpu-v6e-16")),
     "A14B from names": ("wan2.2-t2v-a14b", 1280, 720, 81, 49, ["--no-weights"], ("cpu", "cpu-8", "tpu-v6e-8",
                                                                                   "tpu-v6e-16")),
+    # DiT programs for 0 and 1 reference images (--reference-images' default), so twice the 14B's
+    "VACE-14B from names": ("wan2.1-vace-14b", 1280, 720, 81, 49, ["--no-weights"], ("cpu", "cpu-8", "tpu-v6e-8",
+                                                                                      "tpu-v6e-16")),
 }
 TARGETS = ("cpu", "cpu-8", "tpu-v6e-8", "tpu-v6e-16")
 SHAPES = (("tiny", "cpu"), ("14B from names", "tpu-v6e-8"))
