@@ -28,6 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
@@ -145,7 +146,11 @@ def create_app(state: State) -> FastAPI:
         # A full queue is answered before the body is read or any of its media decoded: it costs nothing but this.
         await run_in_threadpool(_room, state, tenant)
         with state.uploads.take():  # the bodies read and checked at once, each up to --max-body-mb
-            body = await read_body(request, state.settings.limits.max_body_bytes)
+            try:
+                body = await read_body(request, state.settings.limits.max_body_bytes)
+            except ClientDisconnect:  # the body timeout closed the connection (protocol.py), or the client left
+                raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went "
+                                    "away") from None
             # Validation (media decoding, the schedule check) and the fsync'd insert run off the event loop.
             return await run_in_threadpool(_create, state, body, tenant)
 

@@ -367,18 +367,7 @@ def _check_text(fields: dict[str, Any]) -> None:
 
 
 async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES) -> Body:
-    """A JSON or multipart/form-data body of at most `max_bytes`; any other media type is a 415. A body that stops
-    arriving (the server's body timeout closed the connection) is a 408."""
-    from starlette.requests import ClientDisconnect
-
-    try:
-        return await _read_body(request, max_bytes)
-    except ClientDisconnect:
-        raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went away") \
-            from None
-
-
-async def _read_body(request: Any, max_bytes: int) -> Body:
+    """A JSON or multipart/form-data body of at most `max_bytes`; any other media type is a 415."""
     ctype = request.headers.get("content-type", "")
     media = ctype.split(";", 1)[0].strip().lower()
     images: dict[str, bytes] = {}
