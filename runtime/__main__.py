@@ -210,7 +210,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("WAN_AOT_API_KEY"),
-                   help="clients must send Authorization: Bearer KEY (default: $WAN_AOT_API_KEY)")
+                   help="clients must send Authorization: Bearer KEY (default: $WAN_AOT_API_KEY); the tenant `default`")
+    s.add_argument("--api-keys", type=Path, metavar="FILE",
+                   help="tenants: one `KEY NAME` a line; each tenant sees only its own videos, the queue takes turns "
+                        "between them; read again on SIGHUP")
+    s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a Host name requests may use besides the address listened on (repeatable; `*`: any), e.g. "
+                        "a reverse proxy's public name; pages of that name may POST too")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.add_argument("--no-ui", action="store_true", help="no playground page at GET / (the API only)")
     s.add_argument("--jobs-dir", type=Path, default=Path("jobs"),
@@ -219,6 +225,28 @@ def parser() -> argparse.ArgumentParser:
                                                               "(default 16)")
     s.add_argument("--max-steps", type=int, default=1000, metavar="N",
                    help="the most denoising steps a job may ask for, up to 1000; more get 400 (default 1000)")
+    s.add_argument("--tenant-queue-size", type=int, default=None, metavar="N",
+                   help="jobs one tenant may have waiting; more get 429 (default: --queue-size)")
+    from .serve.limits import Limits
+
+    lim = s.add_argument_group("limits (what one client may hold: see runtime/serve/README.md, \"Limits\")")
+    d = Limits()
+    lim.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="SECONDS",
+                     help=f"a request's head must arrive within this; else 408 (default {d.header_timeout:g})")
+    lim.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="SECONDS",
+                     help=f"a request's body must arrive within this of its head; else 408 (default "
+                          f"{d.body_timeout:g})")
+    lim.add_argument("--keep-alive", type=float, default=d.keep_alive, metavar="SECONDS",
+                     help=f"an idle connection is closed after this (default {d.keep_alive:g})")
+    lim.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                     help=f"connections open at once; a request on one more gets 503 (default {d.max_connections})")
+    lim.add_argument("--max-uploads", type=int, default=d.max_uploads, metavar="N",
+                     help=f"create requests reading and checking their body at once; more get 503 (default "
+                          f"{d.max_uploads})")
+    lim.add_argument("--max-decodes", type=int, default=d.max_decodes, metavar="N",
+                     help=f"requests decoding their images or video at once; more wait (default {d.max_decodes})")
+    lim.add_argument("--max-body-mb", type=float, default=None, metavar="MB",
+                     help="the largest request body; more get 413 (default 32, or 256 for a bundle that takes videos)")
     r = s.add_argument_group("replicas (several servers, one queue: see runtime/serve/README.md, \"Many replicas\")")
     r.add_argument("--queue", metavar="URL", default=None,
                    help="the job database every replica shares: postgresql://USER:PASSWORD@HOST:PORT/DB (needs the "
@@ -409,26 +437,38 @@ def serve(args: argparse.Namespace) -> int:
     from .errors import UserError
     from .pipeline import load
     from .serve import follower as mh
+    from .serve.access import server_names
+    from .serve.limits import Limits
     from .serve.server import serve as run_server
     from .serve.state import Settings
+    from .serve.tenants import Keys
 
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 1..65535")
     if args.queue_size < 1:
         raise UserError(f"--queue-size {args.queue_size} must be >= 1")
+    if args.tenant_queue_size is not None and args.tenant_queue_size < 1:
+        raise UserError(f"--tenant-queue-size {args.tenant_queue_size} must be >= 1")
+    for name in ("max_connections", "max_uploads", "max_decodes"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if not 1 <= args.max_steps <= 1000:
         raise UserError(f"--max-steps {args.max_steps} must be in 1..1000")
-    for name in ("lease", "stall"):
+    for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb"):
         value = getattr(args, name)
+        if value is None:  # --max-body-mb left out: the bundle's
+            continue
         if not (value > 0 and value < float("inf")):
-            raise UserError(f"--{name} {value} must be a number of seconds > 0")
+            unit = "megabytes" if name == "max_body_mb" else "seconds"
+            raise UserError(f"--{name.replace('_', '-')} {value} must be a number of {unit} > 0")
+    keys = Keys.load(args.api_keys, args.api_key or None)  # a bad key or file: one line, before anything starts
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback and not args.api_key and not args.insecure:
-        raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY), "
-                        "or pass --insecure to serve without one")
+    if not loopback and keys is None and not args.insecure:
+        raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY) or "
+                        "--api-keys FILE, or pass --insecure to serve without one")
     if not distributed.is_primary():  # processes 1..N-1 run process 0's jobs
         pipe = load(args.bundle, loras=loras_from_args(args))
         pipe.prepare(magcache=args.magcache is not None)
@@ -436,10 +476,13 @@ def serve(args: argparse.Namespace) -> int:
     import jax
 
     multi = jax.process_count() > 1
-    settings = Settings(bundle=args.bundle, api_key=args.api_key, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
-                        magcache=magcache_from_args(args), queue=args.queue, videos_url=args.videos_url,
-                        lease=args.lease, stall=args.stall, ui=not args.no_ui,
-                        max_steps=args.max_steps)
+    limits = Limits(header_timeout=args.header_timeout, body_timeout=args.body_timeout, keep_alive=args.keep_alive,
+                    max_connections=args.max_connections, max_uploads=args.max_uploads, max_decodes=args.max_decodes,
+                    max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))
+    settings = Settings(bundle=args.bundle, keys=keys, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
+                        tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
+                        videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
+                        max_steps=args.max_steps, names=server_names(args.host, args.allowed_host), limits=limits)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora

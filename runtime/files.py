@@ -43,3 +43,22 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only its owner may enter (0700), made if missing (its parents as the umask says): the
+    server's jobs directory holds prompts and videos, which other local users have no business reading. One that
+    exists already is tightened if this user owns it."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        path.chmod(0o700)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` empty and readable by its owner only (0600) unless it exists (SQLite gives its WAL and shared
+    memory files the database file's mode)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    return path

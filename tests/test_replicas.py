@@ -221,8 +221,10 @@ def test_replicas_starting_at_once_on_an_empty_database(queue_url: str, tmp_path
     for t in threads:
         t.join(timeout=120)
     assert not errors and len(stores) == 8
+    from runtime.serve.db import SCHEMA_VERSION
+
     with psycopg.connect(queue_url) as conn:
-        assert conn.execute("SELECT version FROM wan_aot_schema").fetchall() == [(1,)]
+        assert conn.execute("SELECT version FROM wan_aot_schema").fetchall() == [(SCHEMA_VERSION,)]
     added = stores[0].add(model="m", size="64x32", seconds="1", prompt="p", params={}, images=[], queue_size=4)
     claimed = [s.claim() for s in stores]  # claims race for one job: exactly one store gets it
     assert [c.id for c in claimed if c is not None] == [added.id]
@@ -309,8 +311,10 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
         assert in_flight.wait(5)  # return while a heartbeat is in flight
         video.write_bytes(b"mp4")
 
+    from runtime.serve.limits import Limits
+
     monkeypatch.setattr(worker, "run_job", run_job)
-    state = st.State(settings=SimpleNamespace(stall=10.0), store=Store())
+    state = st.State(settings=SimpleNamespace(stall=10.0, limits=Limits()), store=Store())
     job = SimpleNamespace(id="j", attempts=1, images=[], params={})
     with caplog.at_level("INFO", logger="runtime"):
         worker._run(state, job)
@@ -416,6 +420,8 @@ def test_a_jobs_directory_from_before_the_lease_columns_is_upgraded(tmp_path: Pa
     store = open_store(jobs)
     old = store.get("video_old")
     assert old.video == "videos/video_old.mp4" and store.storage.read(old.video) == b"old video"
+    assert old.tenant == "default" and [j.id for j in store.list(10, tenant="default")[0]] == ["video_waiting",
+                                                                                             "video_old"]
     job = store.claim()
     assert job.id == "video_waiting" and store.storage.read(job.images[0]) == b"image"
     store.complete(job, store.video_key(job))

@@ -90,9 +90,10 @@ def serving(bundle: Path, jobs: Path, *extra: str, **kw) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def tiny_server(shapes_bundle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny model of several shapes (conftest.SHAPES_CASE: 64x32 (default) and 32x64, 9 and 5 frames)."""
+    """The tiny model of several shapes (conftest.SHAPES_CASE: 64x32 (default) and 32x64, 9 and 5 frames). Its key
+    comes from the environment with a trailing newline, as a Kubernetes secret gives it."""
     root = tmp_path_factory.mktemp("serve")
-    with serving(shapes_bundle, root / "jobs", "--api-key", KEY) as server:
+    with serving(shapes_bundle, root / "jobs", env={"WAN_AOT_API_KEY": KEY + "\n"}) as server:
         yield server
 
 
@@ -145,6 +146,20 @@ def test_api_key_is_required(tiny_server: Server) -> None:
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     assert httpx.get(tiny_server.url + "/v1/videos").status_code == 401
     assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_key_ending_in_a_newline_is_the_key_without_it(tiny_server: Server) -> None:
+    """Issue 43, finding 8: WAN_AOT_API_KEY="KEY\\n" (a secret file's usual last byte) used to make every request a
+    401; the key is the text without the whitespace around it. A key that is blank or holds spaces is refused at
+    start, in one line."""
+    from .conftest import run_cli
+
+    assert tiny_server.client(key=KEY).videos.list().data is not None
+    for given, message in (("\n", "--api-key (or WAN_AOT_API_KEY) is empty"),
+                           ("two words", "--api-key (or WAN_AOT_API_KEY) holds spaces or characters a client cannot")):
+        proc = run_cli("runtime", "serve", "nowhere", "--api-key", given, check=False)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+        assert proc.stderr.count("\n") == 1 and "two words" not in proc.stderr  # one line; the key not echoed
 
 
 @pytest.mark.parametrize("fields,param,message", [
@@ -341,7 +356,8 @@ def test_sigterm_drains_then_exits(fp32_bundles, tmp_path: Path) -> None:
 def test_non_loopback_needs_a_key(fp32_bundles, tmp_path: Path) -> None:
     proc = run_module("runtime", "serve", str(fp32_bundles["tiny-64x32-f9"]), "--host", "0.0.0.0",
                       "--jobs-dir", str(tmp_path / "jobs"), check=False, env={"WAN_AOT_API_KEY": ""})
-    assert proc.returncode == 2 and "set --api-key (or WAN_AOT_API_KEY), or pass --insecure" in proc.stderr
+    assert proc.returncode == 2 and "set --api-key (or WAN_AOT_API_KEY) or --api-keys FILE, or pass --insecure" in \
+        proc.stderr
     assert not (tmp_path / "jobs").exists()
 
 

@@ -1,7 +1,11 @@
 """`python -m runtime serve`: a bundle behind the OpenAI videos API, on one server or many replicas.
 
     server.py      the process: binds the port, starts the loader and the worker, runs the app, drains on SIGTERM
-    routes.py      the HTTP app: the routes, the API key, the body limit, error answers
+    routes.py      the HTTP app: the routes, the checks before them, the body limit, error answers
+    access.py      who may ask: the Host and Origin checks, the API key to its tenant
+    tenants.py     the keys file (KEY NAME), constant-time lookups, read again on SIGHUP
+    limits.py      what one client may hold: timeouts, connections, uploads and decodes at once, sizes
+    protocol.py    uvicorn's h11 protocol with head and body deadlines, its answers in the OpenAI shape
     schema.py      the create request: its fields (types, limits, enums), read from JSON or multipart, checked
     errors.py      ApiError, answered in the OpenAI error shape
     state.py       the settings, and what the routes and the worker share

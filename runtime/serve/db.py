@@ -7,8 +7,9 @@ writes every statement once against it. An exclusive transaction is serialized w
 insert" one atomic step across replicas.
 
 The schema is created on first start (`CREATE TABLE IF NOT EXISTS`, under the same lock on PostgreSQL, so
-several replicas starting at once on an empty database are safe) with a version row; a database of a newer
-version is refused.
+several replicas starting at once on an empty database are safe) with a version row; a database of an older version
+is upgraded in place (version 2 added the tenant a job belongs to, `default` for the jobs before, and when each
+tenant was last served), one of a newer version is refused.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import UserError
+from ..files import private_dir, private_file
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _ADVISORY_LOCK = 0x77616E61  # "wana": the lock exclusive transactions and the schema creation take
 
 _COLUMNS_DDL = """
@@ -43,13 +45,19 @@ _COLUMNS_DDL = """
     error_message TEXT,
     owner TEXT,                           -- the replica that claimed it (runtime/serve/jobs.py replica_id)
     heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0,  -- seconds since the epoch, the database's clock
-    video TEXT                            -- storage key of the finished video
+    video TEXT,                           -- storage key of the finished video
+    tenant TEXT NOT NULL DEFAULT 'default'  -- the name of the tenant whose key created it (runtime/serve/tenants.py)
 """
 _SCHEMA = [
     f"CREATE TABLE IF NOT EXISTS jobs ({_COLUMNS_DDL})",
     "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq)",
     "CREATE TABLE IF NOT EXISTS wan_aot_schema (version INTEGER NOT NULL)",
+    # when a job of each tenant was last claimed (the database's clock): whose turn it is next (jobs.py)
+    "CREATE TABLE IF NOT EXISTS wan_aot_tenants (name TEXT PRIMARY KEY, served DOUBLE PRECISION NOT NULL)",
 ]
+# Columns added since version 1, and what needs them: an upgrade adds those missing.
+_ADDED = (("tenant", "TEXT NOT NULL DEFAULT 'default'"),)
+_AFTER_ADDED = ["CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)"]
 
 
 class Tx(Protocol):
@@ -84,6 +92,14 @@ def _check_version(version: int | None, where: str) -> None:
                         f"({SCHEMA_VERSION}): upgrade every replica")
 
 
+def _stamp_version(tx: Any, version: int | None) -> None:
+    """Record SCHEMA_VERSION once the schema is upgraded to it (after the columns were added)."""
+    if version is None:
+        tx.execute("INSERT INTO wan_aot_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+    elif version < SCHEMA_VERSION:
+        tx.execute("UPDATE wan_aot_schema SET version = ?", (SCHEMA_VERSION,))
+
+
 # -- SQLite ----------------------------------------------------------------------------------------------
 class _SQLiteTx:
     def __init__(self, db: sqlite3.Connection) -> None:
@@ -100,15 +116,16 @@ class _SQLiteTx:
 
 
 class SQLite:
-    """One connection (WAL, synchronous=FULL), serialized by a lock: a single server's queue."""
+    """One connection (WAL, synchronous=FULL), serialized by a lock: a single server's queue. Its directory is made
+    0700 and the database 0600 (the prompts are in it)."""
 
     now = "((julianday('now') - 2440587.5) * 86400.0)"
     now_int = "CAST(strftime('%s', 'now') AS INTEGER)"
     skip_locked = ""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+        private_dir(path.parent)
+        self.path = private_file(path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -120,18 +137,21 @@ class SQLite:
             self._upgrade(tx)
 
     def _upgrade(self, tx: _SQLiteTx) -> None:
-        """Job databases written before the lease columns existed: add them (the old videos kept their names)."""
+        """Job databases written before the lease columns existed: add them (the old videos kept their names); and
+        those before tenants (version 1): their jobs are the default tenant's."""
+        row = tx.one("SELECT MAX(version) FROM wan_aot_schema")
+        version = row[0] if row else None
+        _check_version(version, str(self.path))
         have = {row[1] for row in tx.all("PRAGMA table_info(jobs)")}
         for column, ddl in (("owner", "TEXT"), ("heartbeat", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
-                            ("video", "TEXT")):
+                            ("video", "TEXT"), *_ADDED):
             if column not in have:
                 tx.execute(f"ALTER TABLE jobs ADD COLUMN {column} {ddl}")
                 if column == "video":
                     tx.execute("UPDATE jobs SET video = 'videos/' || id || '.mp4' WHERE status = 'completed'")
-        row = tx.one("SELECT MAX(version) FROM wan_aot_schema")
-        _check_version(row[0] if row else None, str(self.path))
-        if row is None or row[0] is None:
-            tx.execute("INSERT INTO wan_aot_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+        for statement in _AFTER_ADDED:
+            tx.execute(statement)
+        _stamp_version(tx, version)
 
     @contextlib.contextmanager
     def transaction(self, exclusive: bool) -> Iterator[_SQLiteTx]:
@@ -193,9 +213,13 @@ class Postgres:
             for statement in _SCHEMA:
                 tx.execute(statement)
             row = tx.one("SELECT MAX(version) FROM wan_aot_schema")
-            _check_version(row[0] if row else None, _redact(url))
-            if row is None or row[0] is None:
-                tx.execute("INSERT INTO wan_aot_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+            version = row[0] if row else None
+            _check_version(version, _redact(url))
+            for column, ddl in _ADDED:
+                tx.execute(f"ALTER TABLE jobs ADD COLUMN IF NOT EXISTS {column} {ddl}")
+            for statement in _AFTER_ADDED:
+                tx.execute(statement)
+            _stamp_version(tx, version)
 
     @contextlib.contextmanager
     def transaction(self, exclusive: bool) -> Iterator[_PostgresTx]:

@@ -13,8 +13,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
         self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
-                             405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
-                             415: "unsupported_media_type", 429: "queue_full", 503: "unavailable"}.get(status, "error")
+                             405: "method_not_allowed", 408: "request_timeout", 409: "conflict",
+                             413: "request_too_large", 415: "unsupported_media_type", 416: "range_not_satisfiable",
+                             429: "queue_full", 431: "request_header_fields_too_large", 500: "internal_error",
+                             503: "unavailable"}.get(status, "error")
 
     def body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error"

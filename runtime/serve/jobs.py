@@ -1,11 +1,15 @@
 """The job queue every replica of a deployment shares: jobs in a database (SQLite or PostgreSQL, runtime/serve/db.py),
 claimed under a lease, every write after the claim fenced by (job, owner, attempt).
 
-A replica claims the oldest job that is queued, or in progress under a lease that ran out (its owner stopped
-heartbeating: it died, hangs, or was cut off), in one short transaction that marks it taken by this replica,
-counts the attempt and stamps the heartbeat (PostgreSQL: `FOR UPDATE SKIP LOCKED`, so replicas claiming at once
-take different jobs). While the job makes progress its replica heartbeats it (runtime/serve/lease.py). Progress,
-completion and failure are written only `WHERE id = ? AND owner = ? AND attempts = ?`: a replica that was presumed
+A replica claims a job in progress under a lease that ran out (its owner stopped heartbeating: it died, hangs, or was
+cut off), else a queued one, in one short transaction that marks it taken by this replica, counts the attempt and
+stamps the heartbeat (serialized with every other claim and insert: the database's exclusive lock). Queued jobs are
+taken in turns between the tenants that have some (runtime/serve/tenants.py): the tenant served longest ago (each
+claim stamps its tenant's turn, in a table of their own, so deleting jobs does not move a tenant up) goes next,
+with its oldest job; so a tenant that queues a hundred jobs delays another's by one job, not a hundred.
+
+While the job makes progress its replica heartbeats it (runtime/serve/lease.py). Progress, completion and failure
+are written only `WHERE id = ? AND owner = ? AND attempts = ?`: a replica that was presumed
 dead and comes back finds its writes refused (`Lost`) and can never overwrite the job's new owner. A job claimed
 MAX_ATTEMPTS times without finishing fails with code `attempts_exhausted` and a message saying why, instead of
 being claimed again. Every state change is one committed transaction, so a replica killed at any point leaves each
@@ -28,6 +32,7 @@ from typing import Any
 from ..files import process_alive
 from .db import Database
 from .storage import Storage
+from .tenants import DEFAULT_TENANT
 
 MAX_ATTEMPTS = 2  # a job whose replica died twice while running it is failed, not retried forever
 DEFAULT_LEASE_S = 60.0  # a job's heartbeat older than this: any replica may take it over
@@ -53,6 +58,7 @@ class Job:
     error_message: str | None = None
     owner: str | None = None  # the replica running it (in_progress), or that finished it
     video: str | None = None  # storage key of the video (completed)
+    tenant: str = DEFAULT_TENANT  # the tenant whose key created it: only that tenant sees it
 
     def to_api(self) -> dict[str, Any]:
         """The OpenAI video object."""
@@ -66,7 +72,11 @@ class Job:
 
 
 class QueueFull(Exception):
-    pass
+    """No room: `waiting` jobs wait, `limit` may (`mine`: the limit of one tenant, not the whole queue's)."""
+
+    def __init__(self, waiting: int, limit: int, mine: bool = False) -> None:
+        super().__init__(waiting)
+        self.waiting, self.limit, self.mine = waiting, limit, mine
 
 
 class Lost(Exception):
@@ -80,7 +90,7 @@ def replica_id() -> str:
 
 
 _COLUMNS = ("id, seq, created_at, status, model, size, seconds, prompt, params, image, progress, attempts, "
-            "completed_at, error_code, error_message, owner, video")
+            "completed_at, error_code, error_message, owner, video, tenant")
 
 
 class JobStore:
@@ -97,39 +107,48 @@ class JobStore:
 
     # -- writes -------------------------------------------------------------
     def add(self, *, model: str, size: str, seconds: str, prompt: str, params: dict[str, Any],
-            images: list[bytes], queue_size: int) -> Job:
-        """Accept a job (and its images) unless `queue_size` jobs are already waiting in the shared queue."""
+            images: list[bytes], queue_size: int, tenant: str = DEFAULT_TENANT,
+            tenant_queue_size: int | None = None) -> Job:
+        """Accept a job (and its images) for `tenant`, unless `queue_size` jobs are already waiting in the shared
+        queue, or `tenant_queue_size` of this tenant's."""
         job_id = "video_" + secrets.token_hex(12)
         keys = [f"images/{job_id}-{i}.img" for i in range(len(images))]
         for key, data in zip(keys, images):  # stored first: a claimed job always finds its images
             self.storage.put(key, data)
         try:
             with self.db.transaction(exclusive=True) as tx:  # the depth check and the insert as one
-                waiting = tx.one("SELECT COUNT(*) FROM jobs WHERE status = 'queued'")[0]
-                if waiting >= queue_size:
-                    raise QueueFull(waiting)
+                _check_room(tx, tenant, queue_size, tenant_queue_size)
                 seq = tx.one("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs")[0]
                 tx.execute("INSERT INTO jobs (id, seq, created_at, status, model, size, seconds, prompt, params, "
-                           f"image, heartbeat) VALUES (?, ?, {self.db.now_int}, 'queued', ?, ?, ?, ?, ?, ?, 0)",
-                           (job_id, seq, model, size, seconds, prompt, json.dumps(params, sort_keys=True),
-                            json.dumps(keys)))
+                           f"image, heartbeat, tenant) VALUES (?, ?, {self.db.now_int}, 'queued', ?, ?, ?, ?, ?, ?, 0, "
+                           "?)", (job_id, seq, model, size, seconds, prompt, json.dumps(params, sort_keys=True),
+                                  json.dumps(keys), tenant))
         except BaseException:
             for key in keys:
                 self.storage.delete(key)
             raise
         return self.get(job_id)  # type: ignore[return-value]
 
+    def room(self, tenant: str, queue_size: int, tenant_queue_size: int | None = None) -> None:
+        """QueueFull unless `add` would take a job of `tenant` now: asked before a request's body is read and its
+        media decoded, so a full queue costs a client's upload nothing (`add` checks again, atomically)."""
+        with self.db.transaction(exclusive=False) as tx:
+            _check_room(tx, tenant, queue_size, tenant_queue_size)
+
     def claim(self) -> Job | None:
-        """The oldest job that is queued or whose lease ran out, now this replica's (attempt counted, heartbeat
-        stamped), or None. A job out of attempts is failed on the way (`attempts_exhausted`)."""
+        """The next job, now this replica's (attempt counted, heartbeat stamped, its tenant's turn taken), or None:
+        one whose lease ran out first (the oldest), then the oldest queued job of the tenant served longest ago. A job
+        out of attempts is failed on the way (`attempts_exhausted`)."""
         while True:
-            with self.db.transaction(exclusive=False) as tx:
-                row = tx.one(f"SELECT id, status, attempts, owner FROM jobs WHERE status = 'queued' OR "
+            with self.db.transaction(exclusive=True) as tx:  # one claim at a time: each sees the turns before it
+                row = tx.one(f"SELECT id, status, attempts, owner, tenant FROM jobs AS j WHERE status = 'queued' OR "
                              f"(status = 'in_progress' AND heartbeat < {self.db.now} - ?) "
-                             f"ORDER BY seq LIMIT 1{self.db.skip_locked}", (self.lease,))
+                             "ORDER BY CASE WHEN status = 'queued' THEN 1 ELSE 0 END, "
+                             "COALESCE((SELECT served FROM wan_aot_tenants WHERE name = j.tenant), 0), seq "
+                             f"LIMIT 1{self.db.skip_locked}", (self.lease,))
                 if row is None:
                     return None
-                job_id, status, attempts, owner = row
+                job_id, status, attempts, owner, tenant = row
                 if status == "in_progress" and attempts >= self.max_attempts:
                     tx.execute(f"UPDATE jobs SET status = 'failed', completed_at = {self.db.now_int}, "
                                "error_code = 'attempts_exhausted', error_message = ? WHERE id = ?",
@@ -139,6 +158,8 @@ class JobStore:
                 else:
                     tx.execute(f"UPDATE jobs SET status = 'in_progress', owner = ?, heartbeat = {self.db.now}, "
                                "attempts = attempts + 1, progress = 0 WHERE id = ?", (self.owner, job_id))
+                    tx.execute(f"INSERT INTO wan_aot_tenants (name, served) VALUES (?, {self.db.now}) "
+                               "ON CONFLICT (name) DO UPDATE SET served = excluded.served", (tenant,))
                     failed = None
             if failed is None:
                 return self.get(job_id)
@@ -188,10 +209,10 @@ class JobStore:
                 expired.append(job_id)
         return [j for j in map(self.get, expired) if j is not None]
 
-    def delete(self, job_id: str) -> Job | None:
-        """Remove a job that is not running (its video and images too); returns it, or None if unknown. Raises
-        RuntimeError for a job in progress."""
-        job = self.get(job_id)
+    def delete(self, job_id: str, tenant: str | None = None) -> Job | None:
+        """Remove a job that is not running (its video and images too); returns it, or None if unknown (or not
+        `tenant`'s, where given). Raises RuntimeError for a job in progress."""
+        job = self.get(job_id, tenant)
         if job is None:
             return None
         with self.db.transaction(exclusive=False) as tx:
@@ -206,23 +227,31 @@ class JobStore:
         return job
 
     # -- reads --------------------------------------------------------------
-    def get(self, job_id: str) -> Job | None:
+    def get(self, job_id: str, tenant: str | None = None) -> Job | None:
+        """The job, or None if unknown, or (where `tenant` is given) another tenant's: to a tenant, the jobs of
+        others do not exist."""
+        where, args = ("id = ?", (job_id,)) if tenant is None else ("id = ? AND tenant = ?", (job_id, tenant))
         with self.db.transaction(exclusive=False) as tx:
-            row = tx.one(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,))
+            row = tx.one(f"SELECT {_COLUMNS} FROM jobs WHERE {where}", args)
         return None if row is None else _job(row)
 
-    def list(self, limit: int, after: str | None = None, order: str = "desc") -> tuple[list[Job], bool]:
-        """Jobs newest first (or oldest first), starting after the job `after`; (page, has_more)."""
+    def list(self, limit: int, after: str | None = None, order: str = "desc",
+             tenant: str | None = None) -> tuple[list[Job], bool]:
+        """Jobs newest first (or oldest first), starting after the job `after`, `tenant`'s only where given;
+        (page, has_more). KeyError if `after` is not a job (of `tenant`)."""
         op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
-        where: str = ""
+        where: list[str] = []
         args: tuple = ()
+        if tenant is not None:
+            where, args = ["tenant = ?"], (tenant,)
         if after is not None:
-            anchor = self.get(after)
+            anchor = self.get(after, tenant)
             if anchor is None:
                 raise KeyError(after)
-            where, args = f"WHERE seq {op} ?", (anchor.seq,)
+            where, args = [*where, f"seq {op} ?"], (*args, anchor.seq)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
         with self.db.transaction(exclusive=False) as tx:
-            rows = tx.all(f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1))
+            rows = tx.all(f"SELECT {_COLUMNS} FROM jobs {clause} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1))
         return [_job(r) for r in rows[:limit]], len(rows) > limit
 
     def counts(self) -> dict[str, int]:
@@ -230,6 +259,15 @@ class JobStore:
         with self.db.transaction(exclusive=False) as tx:
             rows = tx.all("SELECT status, COUNT(*) FROM jobs GROUP BY status")
         return {s: 0 for s in STATUSES} | {s: int(n) for s, n in rows}
+
+    def tenant_counts(self) -> dict[str, dict[str, int]]:
+        """Jobs by tenant name, then status, across every replica."""
+        with self.db.transaction(exclusive=False) as tx:
+            rows = tx.all("SELECT tenant, status, COUNT(*) FROM jobs GROUP BY tenant, status")
+        out: dict[str, dict[str, int]] = {}
+        for tenant, status, n in rows:
+            out.setdefault(tenant, {s: 0 for s in STATUSES})[status] = int(n)
+        return out
 
     def video_key(self, job: Job) -> str:
         """Where this attempt's video goes: one key per attempt, so a stale owner never overwrites the file of
@@ -261,6 +299,15 @@ def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None 
     return JobStore(open_database(queue, jobs_dir), storage, lease)
 
 
+def _check_room(tx: Any, tenant: str, queue_size: int, tenant_queue_size: int | None) -> None:
+    waiting, mine = tx.one("SELECT COUNT(*), COALESCE(SUM(CASE WHEN tenant = ? THEN 1 ELSE 0 END), 0) FROM jobs "
+                           "WHERE status = 'queued'", (tenant,))
+    if waiting >= queue_size:
+        raise QueueFull(int(waiting), queue_size)
+    if tenant_queue_size is not None and mine >= tenant_queue_size:
+        raise QueueFull(int(mine), tenant_queue_size, mine=True)
+
+
 def _alive(pid: int) -> bool:
     """Whether an owner's process is still there; our own pid under another owner name is a previous run of this
     process's container, so not."""
@@ -269,12 +316,12 @@ def _alive(pid: int) -> bool:
 
 def _job(row: tuple) -> Job:
     (job_id, seq, created_at, status, model, size, seconds, prompt, params, image, progress, attempts, completed_at,
-     error_code, error_message, owner, video) = row
+     error_code, error_message, owner, video, tenant) = row
     return Job(id=job_id, seq=int(seq), created_at=int(created_at), status=status, model=model, size=size,
                seconds=seconds, prompt=prompt, params=json.loads(params),
                images=[k if "/" in k else f"images/{k}" for k in json.loads(image or "[]")],  # older: bare names
                progress=int(progress), attempts=int(attempts),
                completed_at=None if completed_at is None else int(completed_at), error_code=error_code,
-               error_message=error_message, owner=owner, video=video)
+               error_message=error_message, owner=owner, video=video, tenant=tenant)
 
 

@@ -1,4 +1,9 @@
-"""The Prometheus metrics `GET /metrics` serves: the shared queue, jobs by status, step, job and request times."""
+"""The Prometheus metrics `GET /metrics` serves: the shared queue, jobs by status and by tenant, step, job and request
+times.
+
+Every label's values are bounded by the server, never made of what a client sends: methods are HTTP's (anything else
+is `other`), routes the app's templates (`other` for a path no route has), tenants the names in the key file (a
+name, never a key)."""
 
 from __future__ import annotations
 
@@ -39,11 +44,25 @@ def make_metrics(store: JobStore) -> Metrics:
             counts["value"], counts["at"] = store.counts(), time.monotonic()
         return counts["value"][status]
 
+    class Tenants:
+        """wan_aot_tenant_jobs{tenant, status}: the tenants are those with jobs in the store, so a collector."""
+
+        def collect(self) -> Any:
+            from prometheus_client.core import GaugeMetricFamily
+
+            family = GaugeMetricFamily("wan_aot_tenant_jobs", "jobs in the shared store, by tenant name and status",
+                                       labels=["tenant", "status"])
+            for tenant, statuses in sorted(store.tenant_counts().items()):
+                for status, n in statuses.items():
+                    family.add_metric([tenant, status], n)
+            yield family
+
     queue = Gauge("wan_aot_queue_depth", "jobs waiting to run, in the queue every replica shares", registry=reg)
     queue.set_function(lambda: count("queued"))
     jobs = Gauge("wan_aot_jobs", "jobs in the shared store, by status", ["status"], registry=reg)
     for status in ("queued", "in_progress", "completed", "failed"):
         jobs.labels(status).set_function(lambda s=status: count(s))
+    reg.register(Tenants())
     replica = Counter("wan_aot_replica_jobs", "jobs this replica ran, by outcome (lost: taken over by another)",
                       ["outcome"], registry=reg)
     for outcome in ("completed", "failed", "lost"):

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schema import BY_NAME, FILE_FIELDS, MAX_BODY_BYTES, MAX_VIDEO_BODY_BYTES, Offer, body_schema
+from .schema import BY_NAME, FILE_FIELDS, Offer, body_schema
 
 
 class _Strict(BaseModel):
@@ -126,17 +126,24 @@ class Ready(_Strict):
     error: str | None = None
 
 
-_WHY = {400: "a field, parameter or body the API does not take (`param` names it)",
-        401: "missing or wrong API key", 404: "no such video", 409: "the video is not in a state for this",
-        413: f"the body is larger than the server reads ({MAX_BODY_BYTES >> 20} MB; {MAX_VIDEO_BODY_BYTES >> 20} MB "
-             "where the bundle takes videos)", 415: "a body neither JSON nor multipart/form-data",
-        429: "the queue is full", 503: "the model is still loading, or the server is draining"}
+_WHY = {400: "a field, parameter or body the API does not take (`param` names it), a Host that is not this server's, "
+             "a cross-origin Origin, or a malformed request",
+        401: "missing or wrong API key", 404: "no such video (or another tenant's)",
+        408: "the request's head or body did not arrive in time (--header-timeout, --body-timeout)",
+        409: "the video is not in a state for this", 413: "the body is larger than the server takes (--max-body-mb)",
+        415: "a body neither JSON nor multipart/form-data", 416: "a Range outside the video",
+        429: "the queue is full", 431: "the request's head is too large",
+        503: "the model is still loading, the server is draining, or it is at a limit (--max-connections, "
+             "--max-uploads)"}
 _HEADERS = {
     401: {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},
+    416: {"Content-Range": {"required": True, "description": "bytes */SIZE", "schema": {"type": "string"}}},
     429: {"Retry-After": {"required": True, "description": "seconds, about one job's time",
                           "schema": {"type": "integer"}}},
-    503: {"Retry-After": {"description": "seconds (while loading)", "schema": {"type": "integer"}}},
+    503: {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}},
 }
+# What any request may be answered before it reaches its route (access.py, limits.py, the body limit).
+ANY_ROUTE = (400, 408, 413, 431, 503)
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -160,10 +167,17 @@ VIDEO_LINKS = {op: {"operationId": op, "parameters": {"video_id": "$response.bod
 
 def finish(doc: dict[str, Any], keyed: bool) -> dict[str, Any]:
     """FastAPI's document, made to say what the server does: no 422 (a bad parameter is a 400 in the OpenAI shape),
-    and, where the server has a key, the bearer scheme and the 401 on every /v1/ operation."""
+    the errors any request may get before its route (ANY_ROUTE), and, where the server has a key, the bearer scheme
+    and the 401 on every /v1/ operation."""
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
+            for code, response in errors(*ANY_ROUTE).items():
+                if str(code) not in operation["responses"]:
+                    operation["responses"][str(code)] = {
+                        "description": response["description"], **({"headers": response["headers"]} if
+                                                                   "headers" in response else {}),
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
             if keyed and path.startswith("/v1/"):
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = {

@@ -9,12 +9,15 @@
     GET    /health  /ready  /metrics  /openapi.json
     GET    /                       the playground page (runtime/serve/ui/; off with --no-ui)
 
-Every answer but a success is an error in the OpenAI shape (errors.py), a 405 with the `Allow` header.
+Every answer but a success is an error in the OpenAI shape (errors.py), a 405 with the `Allow` header. Before any
+route: the Host and Origin checks and the API key, which names the request's tenant (access.py); a tenant sees only
+its own videos: another's id is a 404, as an unknown one.
 """
 
 from __future__ import annotations
 
-import hmac
+import json
+import logging
 import math
 import time
 from typing import Annotated, Any, Literal
@@ -25,16 +28,20 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
+from . import access
 from . import openapi as oa
 from .errors import ApiError
 from .jobs import Job, JobStore, QueueFull
 from .metrics import method_label
 from .playground import add_playground
-from .schema import FILE_FIELDS, MAX_BODY_BYTES, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
+from .schema import FILE_FIELDS, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
 from .state import State
 
+log = logging.getLogger("runtime")
 VideoId = Annotated[str, Path(description="a video's id, as POST /v1/videos answered it")]
 
 
@@ -67,17 +74,23 @@ def create_app(state: State) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
         t0 = time.perf_counter()
+        limit = state.settings.limits.max_body_bytes
+        route = route_of(app, request.scope)
         try:
-            _authorize(request, state)
+            access.check_host(request.url.path, request.headers, state.settings.names)
+            access.check_origin(request.method, request.headers, state.settings.names)
+            request.state.tenant = access.authorize(request.url.path, request.headers, state.settings.keys)
             length = request.headers.get("content-length")
-            limit = state.offer.max_body_bytes if state.offer is not None else MAX_BODY_BYTES
             if length is not None and (not length.isdigit() or int(length) > limit):
-                raise ApiError(413, f"request body larger than {limit >> 20} MB")
+                raise ApiError(413, f"request body larger than {limit / (1 << 20):g} MB (--max-body-mb)")
             response = await call_next(request)
         except ApiError as e:
             response = _answer(e)
+        except Exception:  # a bug: one answer in the OpenAI shape, and the traceback in the log for whoever fixes it
+            log.exception("%s %s: internal error", method_label(request.method), route)
+            response = _answer(ApiError(500, "internal error (the server's log has the details)"))
         if state.metrics is not None:
-            state.metrics.request_seconds.labels(method_label(request.method), route_of(app, request.scope),
+            state.metrics.request_seconds.labels(method_label(request.method), route,
                                                  str(response.status_code)).observe(time.perf_counter() - t0)
         return response
 
@@ -121,7 +134,7 @@ def create_app(state: State) -> FastAPI:
     @app.post("/v1/videos", operation_id="createVideo", summary="Queue a job",
               openapi_extra={"requestBody": oa.create_request(state.offer)},
               responses={200: {"model": oa.Video, "description": "the job, queued", "links": oa.VIDEO_LINKS},
-                         **oa.errors(400, 413, 415, 429, 503)})
+                         **oa.errors(400, 408, 413, 415, 429, 503)})
     async def create(request: Request) -> JSONResponse:
         if state.draining.is_set():
             raise ApiError(503, "the server is shutting down and takes no new jobs; retry on another instance",
@@ -129,17 +142,25 @@ def create_app(state: State) -> FastAPI:
         if not state.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
                            headers={"Retry-After": "5"})
-        body = await read_body(request, state.offer.max_body_bytes)
-        # Validation (image decoding, the schedule check) and the fsync'd insert run off the event loop.
-        return await run_in_threadpool(_create, state, body)
+        tenant = request.state.tenant
+        # A full queue is answered before the body is read or any of its media decoded: it costs nothing but this.
+        await run_in_threadpool(_room, state, tenant)
+        with state.uploads.take():  # the bodies read and checked at once, each up to --max-body-mb
+            try:
+                body = await read_body(request, state.settings.limits.max_body_bytes)
+            except ClientDisconnect:  # the body timeout closed the connection (protocol.py), or the client left
+                raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went "
+                                    "away") from None
+            # Validation (media decoding, the schedule check) and the fsync'd insert run off the event loop.
+            return await run_in_threadpool(_create, state, body, tenant)
 
     @app.get("/v1/videos", operation_id="listVideos", response_model=None, summary="Jobs, newest first",
              responses={200: {"model": oa.VideoList}, **oa.errors(400, 404)})
-    def list_videos(limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    def list_videos(request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                     after: Annotated[str | None, Query(description="list the jobs after this video id")] = None,
                     order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
         try:
-            jobs, more = store.list(limit, after, order)
+            jobs, more = store.list(limit, after, order, tenant=request.state.tenant)
         except KeyError:
             raise ApiError(404, f"after {after!r} is not a known video id", "after") from None
         data = [j.to_api() for j in jobs]
@@ -150,15 +171,16 @@ def create_app(state: State) -> FastAPI:
              responses={200: {"model": oa.Video, "headers": {"openai-poll-after-ms": {
                  "description": "how long a client polling the job waits", "schema": {"type": "integer"}}}},
                         **oa.errors(404)})
-    def retrieve(video_id: VideoId) -> JSONResponse:
-        return JSONResponse(_job(store, video_id).to_api(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+    def retrieve(request: Request, video_id: VideoId) -> JSONResponse:
+        return JSONResponse(_job(store, video_id, request.state.tenant).to_api(),
+                            headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
     @app.get("/v1/videos/{video_id}/content", operation_id="downloadVideoContent", response_class=Response,
              summary="A completed job's mp4",
              responses={200: {"description": "the mp4", "content": {"video/mp4": {"schema": {
-                 "type": "string", "format": "binary"}}}}, **oa.errors(400, 404, 409)})
-    def content(video_id: VideoId, variant: Literal["video"] = "video") -> Response:
-        job = _job(store, video_id)
+                 "type": "string", "format": "binary"}}}}, **oa.errors(400, 404, 409, 416)})
+    def content(request: Request, video_id: VideoId, variant: Literal["video"] = "video") -> Response:
+        job = _job(store, video_id, request.state.tenant)
         if job.status != "completed":
             raise ApiError(409, f"video {video_id} is {job.status}, not completed: poll GET /v1/videos/{video_id}",
                            code="video_not_ready")
@@ -166,6 +188,7 @@ def create_app(state: State) -> FastAPI:
             raise ApiError(404, f"the file of video {video_id} is gone from the video storage")
         path = store.storage.local_path(job.video)
         if path is not None:
+            _check_range(request, path)
             return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
         return StreamingResponse(store.storage.chunks(job.video), media_type="video/mp4",
                                  headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
@@ -173,9 +196,9 @@ def create_app(state: State) -> FastAPI:
     @app.delete("/v1/videos/{video_id}", operation_id="deleteVideo", response_model=None,
                 summary="Remove a job and its video",
                 responses={200: {"model": oa.VideoDeleted}, **oa.errors(404, 409)})
-    def delete(video_id: VideoId) -> dict[str, Any]:
+    def delete(request: Request, video_id: VideoId) -> dict[str, Any]:
         try:
-            job = store.delete(video_id)
+            job = store.delete(video_id, request.state.tenant)
         except RuntimeError:
             raise ApiError(409, f"video {video_id} is being generated; delete it when it is done",
                            code="video_in_progress") from None
@@ -186,15 +209,26 @@ def create_app(state: State) -> FastAPI:
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            app.openapi_schema = oa.finish(doc, keyed=state.settings.api_key is not None)
+            app.openapi_schema = oa.finish(doc, keyed=state.settings.keys is not None)
         return app.openapi_schema
 
     app.openapi = document  # type: ignore[method-assign]
     return app
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error that quotes what a client sent can always be written."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def _answer(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    """The error's answer, and one line in the log (what the client sent, quoted in it, cut short and escaped)."""
+    if e.status not in (401, 404, 409):  # the ordinary ones: a wrong key, polls and deletes
+        text = e.message.encode("ascii", "backslashreplace").decode()
+        log.info("answered %d %s: %s", e.status, e.code, " ".join(text.split())[:300])
+    return _AsciiJSON(e.body(), status_code=e.status, headers=e.headers)
 
 
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
@@ -242,36 +276,57 @@ def model_card(state: State) -> dict[str, Any]:
                        for i, g in enumerate(m.shapes)]}
 
 
-def _create(state: State, body: Body) -> JSONResponse:
-    params = parse_request(body, state.offer, state.pipe,
-                           state.settings.magcache.to_json() if state.settings.magcache is not None else None)
+def _room(state: State, tenant: str) -> None:
+    """429 unless the queue has room for a job of `tenant`."""
+    try:
+        state.store.room(tenant, state.settings.queue_size, state.settings.tenant_queue_size)
+    except QueueFull as e:
+        raise _queue_full(state, e) from None
+
+
+def _queue_full(state: State, e: QueueFull) -> ApiError:
+    recent = state.job_seconds or [10.0]  # about one job's time frees a place in the queue
+    retry = max(1, math.ceil(sum(recent) / len(recent)))
+    if e.mine:
+        message = f"you have {e.waiting} jobs waiting, as many as one tenant may: retry in about {retry} s"
+    else:
+        message = f"the queue is full ({e.waiting} jobs waiting): retry in about {retry} s"
+    return ApiError(429, message, headers={"Retry-After": str(retry)})
+
+
+def _create(state: State, body: Body, tenant: str) -> JSONResponse:
+    with state.decodes:  # a decoded image (or video) can take far more memory than its upload: a few at a time
+        params = parse_request(body, state.offer, state.pipe,
+                               state.settings.magcache.to_json() if state.settings.magcache is not None else None)
     try:
         job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
                               prompt=params["prompt"], params=params,
                               images=[data for name in FILE_FIELDS for data in body.files.get(name, [])],
-                              queue_size=state.settings.queue_size)
-    except QueueFull:
-        recent = state.job_seconds or [10.0]  # about one job's time frees a place in the queue
-        retry = max(1, math.ceil(sum(recent) / len(recent)))
-        raise ApiError(429, f"the queue is full ({state.settings.queue_size} jobs waiting): retry in about "
-                            f"{retry} s", headers={"Retry-After": str(retry)}) from None
+                              queue_size=state.settings.queue_size, tenant=tenant,
+                              tenant_queue_size=state.settings.tenant_queue_size)
+    except QueueFull as e:
+        raise _queue_full(state, e) from None
     state.wake.set()
     return JSONResponse(job.to_api())
 
 
-def _job(store: JobStore, video_id: str) -> Job:
-    job = store.get(video_id)
-    if job is None:
+def _job(store: JobStore, video_id: str, tenant: str) -> Job:
+    job = store.get(video_id, tenant)
+    if job is None:  # another tenant's is not there either: a 404, which tells nothing of other tenants' ids
         raise ApiError(404, f"no video {video_id!r}")
     return job
 
 
-def _authorize(request: Any, state: State) -> None:
-    key = state.settings.api_key
-    if key is None or not request.url.path.startswith("/v1/"):
+def _check_range(request: Request, path: Any) -> None:
+    """A Range header FileResponse would refuse, refused here in the OpenAI shape (FileResponse answers in text)."""
+    header = request.headers.get("range")
+    if header is None:
         return
-    header = request.headers.get("authorization", "")
-    given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    if not given or not hmac.compare_digest(given.encode(), key.encode()):
-        raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
-                       headers={"WWW-Authenticate": "Bearer"})
+    size = path.stat().st_size
+    try:
+        FileResponse._parse_range_header(header, size)  # noqa: SLF001  (the parser FileResponse itself uses)
+    except MalformedRangeHeader as e:
+        raise ApiError(400, f"Range {header[:100]!r}: {e.content}", "range") from None
+    except RangeNotSatisfiable:
+        raise ApiError(416, f"Range {header[:100]!r} is outside the video ({size} bytes)",
+                       headers={"Content-Range": f"bytes */{size}"}) from None

@@ -524,29 +524,48 @@ def decode_data_url(name: str, value: str) -> bytes:
                        name) from None
 
 
-async def read_limited(request: Any, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The body, refusing more than `limit` bytes as it streams in (chunked bodies have no Content-Length)."""
+async def read_limited(request: Any, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The body, refusing more than `max_bytes` as it streams in (chunked bodies have no Content-Length)."""
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
-        if total > limit:
-            raise ApiError(413, f"request body larger than {limit >> 20} MB")
+        if total > max_bytes:
+            raise ApiError(413, f"request body larger than {max_bytes / (1 << 20):g} MB (--max-body-mb)")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> Body:
-    """A JSON or multipart/form-data body of at most `limit` bytes; any other media type is a 415."""
+def _check_text(fields: dict[str, Any]) -> None:
+    """A 400 for text JSON can carry but UTF-8 cannot (a lone surrogate, "\\ud800"): nothing could store or echo
+    it. Names the field it is in (its top-level name), at any depth."""
+    stack: list[tuple[Any, str | None]] = [(fields, None)]
+    while stack:
+        value, name = stack.pop()
+        if isinstance(value, dict):
+            stack += [(item, name or key) for key, item in value.items()] + [(key, None) for key in value]  # keys first
+        elif isinstance(value, list):
+            stack += [(item, name) for item in value]
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"{name or 'a field name'} is not valid Unicode text (it holds a lone surrogate, "
+                                    "such as \\ud800): send UTF-8 text", name) from None
+
+
+async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES) -> Body:
+    """A JSON or multipart/form-data body of at most `max_bytes`; any other media type is a 415."""
     ctype = request.headers.get("content-type", "")
     media = ctype.split(";", 1)[0].strip().lower()
     files: dict[str, list[bytes]] = {}
     if media == "application/json":
         try:
-            fields = json.loads(await read_limited(request, limit))
+            fields = json.loads(await read_limited(request, max_bytes))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: JSON's, and too many digits
             raise ApiError(400, f"the body is not valid JSON ({e})") from None
         if not isinstance(fields, dict):
             raise ApiError(400, "the body must be a JSON object")
+        _check_text(fields)
         for name in FILE_FIELDS:
             if name in fields:
                 value = fields.pop(name)
@@ -559,7 +578,7 @@ async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> Body:
         return Body(fields, files, form=False)
     if media == "multipart/form-data":
         if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
-            body = await read_limited(request, limit)
+            body = await read_limited(request, max_bytes)
             request._body = body  # Starlette parses the form from the cached body  # noqa: SLF001
         form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=MAX_VIDEO_BYTES)
         fields = {}

@@ -5,9 +5,10 @@ Jobs live in a database (runtime/serve/jobs.py: SQLite under the jobs directory 
 answers for any job and a restart loses none. A replica claims a job under a lease that it heartbeats while the job
 makes progress (runtime/serve/lease.py); a replica that dies or stalls stops heartbeating and another takes the job
 over. SIGTERM drains: new jobs get 503, the running job finishes, then the server exits (queued jobs stay queued for
-the other replicas or the next start). With several processes (TPU slices), process 0 serves, claims and
-heartbeats, and every job's settings and images are broadcast to the others, which run the same programs
-(runtime/serve/follower.py).
+the other replicas or the next start). SIGHUP reads the API keys file again (tenants.py). With several processes
+(TPU slices), process 0 serves, claims and heartbeats, and every job's settings and images are broadcast to the
+others, which run the same programs (runtime/serve/follower.py). uvicorn runs with this server's limits
+(runtime/serve/limits.py, protocol.py).
 
 Exit status: 0 after a drain; 2 for bad input found before serving (a missing or unreadable bundle, a port in use:
 one line, `error: ...`); LOAD_FAILED (4) when the bundle fails to load after the server started (a corrupt weight
@@ -17,9 +18,11 @@ loading" forever; 3 when a job stalls (lease.py), for the supervisor to restart 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +33,7 @@ from .. import manifest as mf
 from ..errors import UserError
 from .jobs import open_store
 from .metrics import make_metrics
+from .protocol import protocol
 from .routes import create_app
 from .schema import MAX_STEPS, Offer
 from .state import Settings, State
@@ -58,6 +62,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def reload_keys(settings: Settings) -> None:
+    """SIGHUP: the API keys file again; a key taken out of it stops working now. The names are logged, never a key;
+    a file that does not read keeps the keys the server had."""
+    try:
+        tenants = settings.keys.reload()  # type: ignore[union-attr]
+    except UserError as e:
+        log.error("SIGHUP: kept the API keys the server had: %s", e)
+        return
+    log.info("SIGHUP: read %s again: %d keys of %d tenants (%s)", settings.keys.file,  # type: ignore[union-attr]
+             sum(tenants.values()), len(tenants), ", ".join(sorted(tenants)))
+
+
 def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
           broadcast: Callable[[dict[str, Any] | None], None] | None = None,
           on_exit: Callable[[], None] | None = None) -> int:
@@ -75,6 +91,9 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     for job in store.expire_dead_local_owners():
         log.warning("job %s was running when the server stopped: %s", job.id,
                     "queued again" if job.attempts < store.max_attempts else "failed, out of attempts")
+    if settings.limits.max_body_bytes is None:  # the bundle's: room for a video where it takes videos
+        settings = dataclasses.replace(settings, limits=dataclasses.replace(settings.limits,
+                                                                            max_body_bytes=offer.max_body_bytes))
     state = State(settings=settings, store=store, offer=offer, broadcast=broadcast)
     state.metrics = make_metrics(store)
     app = create_app(state)
@@ -94,8 +113,15 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
 
             threading.Thread(target=finish, daemon=True).start()
 
+    limits = settings.limits
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=10))
+                                   timeout_graceful_shutdown=10, http=protocol(limits),
+                                   timeout_keep_alive=limits.keep_alive,  # type: ignore[arg-type]  (float seconds)
+                                   limit_concurrency=limits.max_connections,
+                                   h11_max_incomplete_event_size=limits.max_header_bytes))
+    if settings.keys is not None and settings.keys.file is not None:
+        signal.signal(signal.SIGHUP, lambda sig, frame: threading.Thread(target=reload_keys, args=(settings,),
+                                                                          daemon=True).start())
 
     def load_failed() -> None:  # no job could ever run: stop, rather than answer "still loading" forever
         server.should_exit = True

@@ -9,17 +9,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .access import Names
 from .jobs import JobStore
 from .lease import DEFAULT_STALL_S
+from .limits import Limits, Slots
 from .schema import MAX_STEPS, Offer
+from .tenants import Keys
 
 
 @dataclass
 class Settings:
     bundle: Path
-    api_key: str | None = None
+    keys: Keys | None = None  # the API keys and their tenants (--api-keys FILE, --api-key), or None: no key asked
     jobs_dir: Path = Path("jobs")
     queue_size: int = 16
+    tenant_queue_size: int | None = None  # the most jobs one tenant may have waiting (None: queue_size)
     magcache: Any = None  # runtime.MagCache every job runs with (recorded in the job's params), or None
     queue: str | None = None  # the job database: None (SQLite under jobs_dir) or a postgresql:// URL
     videos_url: str | None = None  # videos and images in an object store instead of jobs_dir
@@ -27,6 +31,8 @@ class Settings:
     stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
     ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
     max_steps: int = MAX_STEPS  # the most denoising steps a job may ask for (MAX_STEPS at most)
+    names: Names = field(default_factory=Names)  # the Host names requests may use (access.py); default: any
+    limits: Limits = field(default_factory=Limits)  # timeouts and sizes (limits.py)
 
 
 @dataclass
@@ -47,6 +53,12 @@ class State:
     job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
     broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others
     on_stall: Callable[[], Any] = lambda: os._exit(3)  # a stalled job: exit non-zero, the supervisor restarts us
+    uploads: Slots = None  # type: ignore[assignment]  # create requests reading or checking a body at once
+    decodes: threading.BoundedSemaphore = None  # type: ignore[assignment]  # requests decoding media at once
+
+    def __post_init__(self) -> None:
+        self.uploads = Slots(self.settings.limits.max_uploads, "reading as many uploads as it takes at once")
+        self.decodes = threading.BoundedSemaphore(self.settings.limits.max_decodes)
 
     @property
     def model(self) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import UserError
+from ..files import private_dir
 
 CHUNK = 1 << 20
 
@@ -37,10 +38,12 @@ def open_storage(url: str | None, jobs_dir: Path) -> Storage:
 
 
 class Directory:
+    """Videos and images under a directory only this user may enter (0700), each file 0600."""
+
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+        self.root = private_dir(Path(root))
         for sub in ("videos", "images"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+            private_dir(self.root / sub)
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -56,6 +59,7 @@ class Directory:
         tmp = final.with_name(f".{final.stem}.partial-{os.getpid()}{suffix or final.suffix}")
         try:
             yield tmp
+            os.chmod(tmp, 0o600)  # whoever wrote it (the video encoder too), with the umask's mode
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
