@@ -329,7 +329,7 @@ def test_media_is_decoded_a_few_at_a_time(tmp_path: Path, monkeypatch: pytest.Mo
             now[0] -= 1
 
     monkeypatch.setattr(schema, "check_image", decode)
-    body = schema.Body(fields={"prompt": "a"}, images={"input_reference": b"an image"}, form=True)
+    body = schema.Body(fields={"prompt": "a"}, files={"input_reference": [b"an image"]}, form=True)
     threads = [threading.Thread(target=routes._create, args=(state, body, "default")) for _ in range(6)]
     for t in threads:
         t.start()

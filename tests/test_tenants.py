@@ -89,7 +89,7 @@ def app_client(tmp_path: Path, kind: str = "t2v", **settings) -> tuple[object, o
                   defaults=Defaults(steps=4, guidance=5.0, flow_shift=3.0))
     state = State(settings=Settings(bundle=tmp_path / "tiny", jobs_dir=tmp_path / "jobs", **settings),
                   store=open_store(tmp_path / "jobs"), offer=offer)
-    state.pipe = SimpleNamespace(settings=lambda *args, **kwargs: None)
+    state.pipe = SimpleNamespace(settings=lambda seed, steps, *rest: SimpleNamespace(steps=steps or 4))
     state.metrics = make_metrics(state.store)
     state.ready.set()
     return TestClient(create_app(state), base_url="http://127.0.0.1"), state
@@ -252,7 +252,7 @@ def test_tenants_across_two_replicas(replicas, queue_url: str, tmp_path: Path) -
 
     (a, b), keys = replicas
     carol = [a.client(key=CAROL), b.client(key=CAROL)]
-    blockers = [carol[0].videos.create(prompt=f"carol {i}", extra_body={"num_inference_steps": 400}) for i in range(2)]
+    blockers = [carol[0].videos.create(prompt=f"carol {i}", extra_body={"num_inference_steps": 1000}) for i in range(2)]
     for video in blockers:
         _wait(carol[0], video.id, "in_progress")
     alice, bob = a.client(key=ALICE), b.client(key=BOB)

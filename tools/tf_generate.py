@@ -136,7 +136,7 @@ class SavedModelPipeline:
                 raise UserError(f"non-finite values (NaN/inf) appeared in the latents at denoising step {i + 1} of "
                                 f"{s.steps}: check the weights, guidance and dtype")
             state = out["state"]
-        return conditioning.restore_first_frame(self.kind, extras, state[0].astype(np.float32))
+        return conditioning.after_loop(self.kind, extras, state[0].astype(np.float32), self.geometry)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """(B, F, H, W, 3) float32 in [0, 1], chunk by chunk with the VAE's caches carried on the host."""

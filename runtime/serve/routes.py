@@ -74,7 +74,7 @@ def create_app(state: State) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
         t0 = time.perf_counter()
-        limit = state.settings.limits.max_body_bytes
+        limit = state.settings.limits.max_body_bytes or state.offer.max_body_bytes
         route = route_of(app, request.scope)
         try:
             access.check_host(request.url.path, request.headers, state.settings.names)
@@ -147,7 +147,8 @@ def create_app(state: State) -> FastAPI:
         await run_in_threadpool(_room, state, tenant)
         with state.uploads.take():  # the bodies read and checked at once, each up to --max-body-mb
             try:
-                body = await read_body(request, state.settings.limits.max_body_bytes)
+                body = await read_body(request, state.settings.limits.max_body_bytes or state.offer.max_body_bytes,
+                                       state.offer.max_part_bytes)
             except ClientDisconnect:  # the body timeout closed the connection (protocol.py), or the client left
                 raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went "
                                     "away") from None

@@ -79,8 +79,13 @@ class Offer:
 
     @property
     def max_body_bytes(self) -> int:
-        """The largest create request read: room for a video upload where the bundle takes videos."""
+        """The largest create request read by default: room for a video upload where the bundle takes videos."""
         return MAX_VIDEO_BODY_BYTES if self.takes_video else MAX_BODY_BYTES
+
+    @property
+    def max_part_bytes(self) -> int:
+        """The largest part of a multipart form: a video where the bundle takes videos, else an image."""
+        return MAX_VIDEO_BYTES if self.takes_video else MAX_IMAGE_BYTES
 
     @property
     def sizes(self) -> list[str]:
@@ -553,8 +558,9 @@ def _check_text(fields: dict[str, Any]) -> None:
                                     "such as \\ud800): send UTF-8 text", name) from None
 
 
-async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES) -> Body:
-    """A JSON or multipart/form-data body of at most `max_bytes`; any other media type is a 415."""
+async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_bytes: int = MAX_IMAGE_BYTES) -> Body:
+    """A JSON or multipart/form-data body of at most `max_bytes` (a form's parts of at most `max_part_bytes`); any
+    other media type is a 415."""
     ctype = request.headers.get("content-type", "")
     media = ctype.split(";", 1)[0].strip().lower()
     files: dict[str, list[bytes]] = {}
@@ -580,7 +586,7 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES) -> Body:
         if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
             body = await read_limited(request, max_bytes)
             request._body = body  # Starlette parses the form from the cached body  # noqa: SLF001
-        form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=MAX_VIDEO_BYTES)
+        form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=max_part_bytes)
         fields = {}
         for name, value in form.multi_items():
             if name.endswith("[]") and BY_NAME.get(name[:-2], FIELDS[0]).type == "numbers":

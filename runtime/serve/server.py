@@ -18,7 +18,6 @@ loading" forever; 3 when a job stalls (lease.py), for the supervisor to restart 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -91,9 +90,6 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     for job in store.expire_dead_local_owners():
         log.warning("job %s was running when the server stopped: %s", job.id,
                     "queued again" if job.attempts < store.max_attempts else "failed, out of attempts")
-    if settings.limits.max_body_bytes is None:  # the bundle's: room for a video where it takes videos
-        settings = dataclasses.replace(settings, limits=dataclasses.replace(settings.limits,
-                                                                            max_body_bytes=offer.max_body_bytes))
     state = State(settings=settings, store=store, offer=offer, broadcast=broadcast)
     state.metrics = make_metrics(store)
     app = create_app(state)
