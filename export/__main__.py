@@ -30,7 +30,7 @@ from pathlib import Path
 from runtime import targets
 from runtime.errors import UserError
 
-from . import tiny
+from . import hub, tiny
 from .architectures import ARCHITECTURES
 from .attention import AttentionConfig
 from .flash_tpu import FlashBlocks
@@ -125,8 +125,11 @@ def _quiet_build_libraries() -> None:
     # torchax's index_put in bf16 models (RoPE) scatters fp32 values into bf16, as torch does.
     warnings.filterwarnings("ignore", message=r"scatter inputs have incompatible types", category=FutureWarning)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffusers)\.")
+    # diffusers 0.42 passes huggingface_hub 1.x+ an argument it has deprecated, on every hub read
+    warnings.filterwarnings("ignore", message=r"The `local_dir_use_symlinks` argument is deprecated")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # its retries' warnings; a failed read says why (export/hub.py)
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         if args.attach_weights is not None:
-            return _attach(args)
+            with hub.errors_explained(args.weights, "--weights", args.revision):
+                return _attach(args)
         if args.savedmodel is not None:
             return _savedmodel(args)
         if args.lora is not None:
@@ -182,23 +186,24 @@ def main(argv: list[str] | None = None) -> int:
         from .source import load
 
         t0 = time.perf_counter()
-        src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
-        shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
-        references = parse_reference_images(args.reference_images, src.model)
-        if args.video_to_video:
-            if src.model.conditioning != "none" or src.model.name == "ti2v":
-                raise UserError(f"--video-to-video is for text-to-video models (t2v, t2v-moe); {args.model} is "
-                                f"{src.model.title}")
-            src.video_to_video = True
-        settings = Settings(shapes=shapes, batch=args.batch,
-                            max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
-                            attention=AttentionConfig(
-                                block_q=args.attention_block_q, block_kv=args.attention_block_kv,
-                                flash=_flash_blocks(args),
-                                k_smoothing=args.k_smoothing),
-                            quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
-                            reference_images=references)
-        manifest = build_bundle(src, settings, args.out, force=args.force)
+        with hub.errors_explained(args.model, "--model", args.revision):  # a hub id: configs now, weights in the build
+            src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
+            shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
+            references = parse_reference_images(args.reference_images, src.model)
+            if args.video_to_video:
+                if src.model.conditioning != "none" or src.model.name == "ti2v":
+                    raise UserError(f"--video-to-video is for text-to-video models (t2v, t2v-moe); {args.model} is "
+                                    f"{src.model.title}")
+                src.video_to_video = True
+            settings = Settings(shapes=shapes, batch=args.batch,
+                                max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
+                                attention=AttentionConfig(
+                                    block_q=args.attention_block_q, block_kv=args.attention_block_kv,
+                                    flash=_flash_blocks(args),
+                                    k_smoothing=args.k_smoothing),
+                                quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
+                                reference_images=references)
+            manifest = build_bundle(src, settings, args.out, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
