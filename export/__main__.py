@@ -29,6 +29,7 @@ from pathlib import Path
 
 from runtime import targets
 from runtime.errors import UserError
+from runtime.extras import missing
 
 from . import hub, tiny
 from .architectures import ARCHITECTURES
@@ -204,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                                 quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
                                 reference_images=references)
             manifest = build_bundle(src, settings, args.out, force=args.force)
+    except ModuleNotFoundError as e:  # the export extra (torch, diffusers, ...) not installed: say so in one line
+        error = missing(e, "python -m export")
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -456,9 +456,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("runtime").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     from .errors import UserError
+    from .extras import missing
 
     try:
         return run(args)
+    except ModuleNotFoundError as e:  # an optional extra not installed (fastapi for serve, ...): say which
+        error = missing(e, f"python -m runtime {args.command}")
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
