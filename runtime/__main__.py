@@ -256,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
         return serve(args)
     from .video import check_fps, check_video_path, write_videos
 
+    if getattr(args, "prompt", None) is not None:  # an empty prompt fails before the bundle is read
+        from .text import check_prompt
+
+        check_prompt(args.prompt)
     primary = distributed.is_primary()
     magcache = magcache_from_args(args) if hasattr(args, "magcache") else None  # a bad file fails first
     if hasattr(args, "sigmas"):  # bad sigmas or a bad sampler name fail before the bundle is loaded
