@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
                    help=f"diffusers-format directory, hub id, architecture ({', '.join(ARCHITECTURES)}; "
-                        f"with --no-weights) or embedded model ({', '.join(tiny.VARIANTS)})")
+                        f"with --no-weights) or embedded model ({', '.join(tiny.VARIANTS)}; default: tiny)")
     p.add_argument("--no-weights", action="store_true",
                    help="build the programs from the model's config alone; attach weights later")
     p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
@@ -100,21 +100,27 @@ def parser() -> argparse.ArgumentParser:
                    help="a text-to-video model (t2v, t2v-moe): also export the VAE encoder, so runs can start from a "
                         "source video (strength); a WanVideoToVideoPipeline checkpoint does this without the flag")
     p.add_argument("--batch", type=int, default=1, help="videos per call (default 1)")
-    p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)})")
+    p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)}; default: cpu)")
     p.add_argument("--mesh", default=None, help="override the preset's mesh, e.g. dp=2,sp=1,tp=4")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="text encoder and DiT dtype (the VAE always runs in fp32)")
+                   help="text encoder and DiT dtype (default: bf16; the VAE always runs in fp32)")
     p.add_argument("--max-sequence-length", type=int, default=512, help="prompt tokens (default 512)")
-    p.add_argument("--attention-block-q", type=int, default=AttentionConfig.block_q)
-    p.add_argument("--attention-block-kv", type=int, default=AttentionConfig.block_kv)
-    p.add_argument("--flash-block-q", type=int, default=FlashBlocks.block_q, help="TPU kernel query block")
-    p.add_argument("--flash-block-kv", type=int, default=FlashBlocks.block_kv, help="TPU kernel key/value block")
+    p.add_argument("--attention-block-q", type=int, default=AttentionConfig.block_q,
+                   help="plain-JAX attention (every target but TPU's DiT): queries per block of the online-softmax "
+                        f"loop used for long sequences (default: {AttentionConfig.block_q})")
+    p.add_argument("--attention-block-kv", type=int, default=AttentionConfig.block_kv,
+                   help="plain-JAX attention: keys/values per block of that loop "
+                        f"(default: {AttentionConfig.block_kv})")
+    p.add_argument("--flash-block-q", type=int, default=FlashBlocks.block_q,
+                   help=f"TPU kernel query block (default: {FlashBlocks.block_q})")
+    p.add_argument("--flash-block-kv", type=int, default=FlashBlocks.block_kv,
+                   help=f"TPU kernel key/value block (default: {FlashBlocks.block_kv})")
     p.add_argument("--flash-block-kv-compute", type=int, default=FlashBlocks.block_kv_compute,
-                   help="TPU kernel inner key/value block")
+                   help=f"TPU kernel inner key/value block (default: {FlashBlocks.block_kv_compute})")
     p.add_argument("--k-smoothing", action="store_true", help="TPU kernel: subtract K's mean (softmax-invariant)")
     p.add_argument("--out", type=Path, help="bundle directory to create (e.g. artifacts/NAME)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (or weights already attached)")
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no info logs (errors still print)")
     return p
 
 
@@ -165,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             size_multiple,
         )
 
-        if args.resolution is None or args.out is None:
-            raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
+        needed = [flag for flag, value in (("--resolution", args.resolution), ("--out", args.out)) if value is None]
+        if needed:
+            raise UserError(f"{' and '.join(needed)} {'is' if len(needed) == 1 else 'are'} required to export (or use "
+                            "--attach-weights BUNDLE --weights SOURCE)")
         parse_frames(args.frames)  # a bad count fails before the model is read
         run_defaults = parse_defaults(args.defaults)
         merges = _merges(args)
