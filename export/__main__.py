@@ -29,8 +29,9 @@ from pathlib import Path
 
 from runtime import targets
 from runtime.errors import UserError
+from runtime.extras import missing
 
-from . import tiny
+from . import hub, tiny
 from .architectures import ARCHITECTURES
 from .attention import AttentionConfig
 from .flash_tpu import FlashBlocks
@@ -42,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
                    help=f"diffusers-format directory, hub id, architecture ({', '.join(ARCHITECTURES)}; "
-                        f"with --no-weights) or embedded model ({', '.join(tiny.VARIANTS)})")
+                        f"with --no-weights) or embedded model ({', '.join(tiny.VARIANTS)}; default: tiny)")
     p.add_argument("--no-weights", action="store_true",
                    help="build the programs from the model's config alone; attach weights later")
     p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
@@ -99,21 +100,27 @@ def parser() -> argparse.ArgumentParser:
                    help="a text-to-video model (t2v, t2v-moe): also export the VAE encoder, so runs can start from a "
                         "source video (strength); a WanVideoToVideoPipeline checkpoint does this without the flag")
     p.add_argument("--batch", type=int, default=1, help="videos per call (default 1)")
-    p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)})")
+    p.add_argument("--target", default="cpu", help=f"target preset ({', '.join(targets.PRESETS)}; default: cpu)")
     p.add_argument("--mesh", default=None, help="override the preset's mesh, e.g. dp=2,sp=1,tp=4")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="text encoder and DiT dtype (the VAE always runs in fp32)")
+                   help="text encoder and DiT dtype (default: bf16; the VAE always runs in fp32)")
     p.add_argument("--max-sequence-length", type=int, default=512, help="prompt tokens (default 512)")
-    p.add_argument("--attention-block-q", type=int, default=AttentionConfig.block_q)
-    p.add_argument("--attention-block-kv", type=int, default=AttentionConfig.block_kv)
-    p.add_argument("--flash-block-q", type=int, default=FlashBlocks.block_q, help="TPU kernel query block")
-    p.add_argument("--flash-block-kv", type=int, default=FlashBlocks.block_kv, help="TPU kernel key/value block")
+    p.add_argument("--attention-block-q", type=int, default=AttentionConfig.block_q,
+                   help="plain-JAX attention (every target but TPU's DiT): queries per block of the online-softmax "
+                        f"loop used for long sequences (default: {AttentionConfig.block_q})")
+    p.add_argument("--attention-block-kv", type=int, default=AttentionConfig.block_kv,
+                   help="plain-JAX attention: keys/values per block of that loop "
+                        f"(default: {AttentionConfig.block_kv})")
+    p.add_argument("--flash-block-q", type=int, default=FlashBlocks.block_q,
+                   help=f"TPU kernel query block (default: {FlashBlocks.block_q})")
+    p.add_argument("--flash-block-kv", type=int, default=FlashBlocks.block_kv,
+                   help=f"TPU kernel key/value block (default: {FlashBlocks.block_kv})")
     p.add_argument("--flash-block-kv-compute", type=int, default=FlashBlocks.block_kv_compute,
-                   help="TPU kernel inner key/value block")
+                   help=f"TPU kernel inner key/value block (default: {FlashBlocks.block_kv_compute})")
     p.add_argument("--k-smoothing", action="store_true", help="TPU kernel: subtract K's mean (softmax-invariant)")
     p.add_argument("--out", type=Path, help="bundle directory to create (e.g. artifacts/NAME)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (or weights already attached)")
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no info logs (errors still print)")
     return p
 
 
@@ -125,8 +132,11 @@ def _quiet_build_libraries() -> None:
     # torchax's index_put in bf16 models (RoPE) scatters fp32 values into bf16, as torch does.
     warnings.filterwarnings("ignore", message=r"scatter inputs have incompatible types", category=FutureWarning)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffusers)\.")
+    # diffusers 0.42 passes huggingface_hub 1.x+ an argument it has deprecated, on every hub read
+    warnings.filterwarnings("ignore", message=r"The `local_dir_use_symlinks` argument is deprecated")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # its retries' warnings; a failed read says why (export/hub.py)
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
@@ -139,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         if args.attach_weights is not None:
-            return _attach(args)
+            with hub.errors_explained(args.weights, "--weights", args.revision):
+                return _attach(args)
         if args.savedmodel is not None:
             return _savedmodel(args)
         if args.lora is not None:
@@ -160,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             size_multiple,
         )
 
-        if args.resolution is None or args.out is None:
-            raise UserError("--resolution and --out are required (or use --attach-weights BUNDLE --weights SOURCE)")
+        needed = [flag for flag, value in (("--resolution", args.resolution), ("--out", args.out)) if value is None]
+        if needed:
+            raise UserError(f"{' and '.join(needed)} {'is' if len(needed) == 1 else 'are'} required to export (or use "
+                            "--attach-weights BUNDLE --weights SOURCE)")
         parse_frames(args.frames)  # a bad count fails before the model is read
         run_defaults = parse_defaults(args.defaults)
         merges = _merges(args)
@@ -182,23 +195,30 @@ def main(argv: list[str] | None = None) -> int:
         from .source import load
 
         t0 = time.perf_counter()
-        src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
-        shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
-        references = parse_reference_images(args.reference_images, src.model)
-        if args.video_to_video:
-            if src.model.conditioning != "none" or src.model.name == "ti2v":
-                raise UserError(f"--video-to-video is for text-to-video models (t2v, t2v-moe); {args.model} is "
-                                f"{src.model.title}")
-            src.video_to_video = True
-        settings = Settings(shapes=shapes, batch=args.batch,
-                            max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
-                            attention=AttentionConfig(
-                                block_q=args.attention_block_q, block_kv=args.attention_block_kv,
-                                flash=_flash_blocks(args),
-                                k_smoothing=args.k_smoothing),
-                            quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
-                            reference_images=references)
-        manifest = build_bundle(src, settings, args.out, force=args.force)
+        with hub.errors_explained(args.model, "--model", args.revision):  # a hub id: configs now, weights in the build
+            src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
+            shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
+            references = parse_reference_images(args.reference_images, src.model)
+            if args.video_to_video:
+                if src.model.conditioning != "none" or src.model.name == "ti2v":
+                    raise UserError(f"--video-to-video is for text-to-video models (t2v, t2v-moe); {args.model} is "
+                                    f"{src.model.title}")
+                src.video_to_video = True
+            settings = Settings(shapes=shapes, batch=args.batch,
+                                max_sequence_length=args.max_sequence_length, dtype=args.dtype, target=target,
+                                attention=AttentionConfig(
+                                    block_q=args.attention_block_q, block_kv=args.attention_block_kv,
+                                    flash=_flash_blocks(args),
+                                    k_smoothing=args.k_smoothing),
+                                quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
+                                reference_images=references)
+            manifest = build_bundle(src, settings, args.out, force=args.force)
+    except ModuleNotFoundError as e:  # the export extra (torch, diffusers, ...) not installed: say so in one line
+        error = missing(e, "python -m export")
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,11 +32,12 @@ from typing import Any
 from runtime import kinds
 from runtime import manifest as mf
 from runtime.errors import UserError
+from runtime.extras import pip_command
 from runtime.signatures import call_order
 
 log = logging.getLogger("export")
 
-PIP = "pip install 'wan-aot[savedmodel]'"
+PIP = pip_command("savedmodel")
 VERSION = "1"  # TF Serving loads the highest numbered subdirectory
 INFO_FILE = "wan-aot.json"
 TOKENIZER_FILE = "tokenizer.json"

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -129,6 +130,13 @@ def sds(spec: TensorSpec) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(spec.shape, np.dtype(spec.dtype))
 
 
+# Programs carry the source location (file:line) of the Python that traced each op, for debugging. Paths are made
+# relative to where the packages are installed (site-packages, or this checkout for `export` itself), so that the
+# same commit installed anywhere (another venv, checkout or machine) exports the same bytes: without it two fresh
+# installs from the same lock exported different programs (tools/reproducible_install.sh).
+SOURCE_ROOTS = r"^.*/(site-packages|dist-packages)/|^" + re.escape(str(Path(__file__).resolve().parents[1])) + "/"
+
+
 def export_program(fn: Callable[..., Any], weight_specs: dict[str, TensorSpec],
                    weight_partition: dict[str, PartitionSpec], inputs: dict[str, TensorSpec],
                    input_partition: dict[str, PartitionSpec], output_names: list[str], output_partition: Any,
@@ -146,7 +154,12 @@ def export_program(fn: Callable[..., Any], weight_specs: dict[str, TensorSpec],
     out_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), output_partition,
                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
     jitted = jax.jit(fn, in_shardings=(w_shardings, *x_shardings), out_shardings=out_shardings)
-    exported = jax.export.export(jitted, platforms=(target.platform,))(w_sds, *in_sds)
+    before = jax.config.jax_hlo_source_file_canonicalization_regex
+    jax.config.update("jax_hlo_source_file_canonicalization_regex", SOURCE_ROOTS)
+    try:
+        exported = jax.export.export(jitted, platforms=(target.platform,))(w_sds, *in_sds)
+    finally:
+        jax.config.update("jax_hlo_source_file_canonicalization_regex", before)
     outs = exported.out_avals
     if len(outs) != len(output_names):
         raise AssertionError(f"program has {len(outs)} outputs, expected {output_names}")

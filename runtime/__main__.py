@@ -31,7 +31,8 @@ def _bundle_arg(p: argparse.ArgumentParser) -> None:
 def _denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="noise seed (jax.random; does not reproduce torch's)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the bundle's)")
-    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="classifier-free guidance scale; 1 or less runs the prompt alone (default: the bundle's)")
     p.add_argument("--guidance-2", type=float, default=None,
                    help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
     p.add_argument("--flow-shift", type=float, default=None, help="flow shift (default: the bundle's)")
@@ -82,6 +83,13 @@ def loras_from_args(args: argparse.Namespace) -> list[tuple[Path, float]]:
     from .lora import parse_spec
 
     return [parse_spec(text) for text in getattr(args, "lora", [])]
+
+
+def _prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="what the video shows (not empty; longer than the bundle's token "
+                                                   "limit, 512 by default, it is truncated with a warning)")
+    p.add_argument("--negative-prompt", default="",
+                   help="what to steer away from, through classifier-free guidance (default: none)")
 
 
 def _image_args(p: argparse.ArgumentParser) -> None:
@@ -141,8 +149,7 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", parents=[common], help="prompt -> mp4")
     _bundle_arg(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--negative-prompt", default="")
+    _prompt_args(g)
     _image_args(g)
     _video_args(g)
     _shape_args(g)
@@ -156,8 +163,7 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("encode", parents=[common], help="prompt -> embeddings (safetensors)")
     _bundle_arg(e)
-    e.add_argument("--prompt", required=True)
-    e.add_argument("--negative-prompt", default="")
+    _prompt_args(e)
     _image_args(e)
     _video_args(e, settings=False)
     _shape_args(e)
@@ -174,13 +180,12 @@ def parser() -> argparse.ArgumentParser:
     _video_args(d, inputs=False)
     _magcache_args(d)
     _lora_args(d)
-    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--out", type=Path, required=True, help="the denoised latents (safetensors, for `decode`)")
 
     cal = sub.add_parser("calibrate", parents=[common], help="MagCache's ratios for this bundle (every step run "
                                                               "in full) -> ratios.json")
     _bundle_arg(cal)
-    cal.add_argument("--prompt", required=True)
-    cal.add_argument("--negative-prompt", default="")
+    _prompt_args(cal)
     _image_args(cal)
     _video_args(cal)
     _shape_args(cal)
@@ -190,9 +195,9 @@ def parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("decode", parents=[common], help="latents -> mp4")
     _bundle_arg(v)
-    v.add_argument("--latents", type=Path, required=True)
+    v.add_argument("--latents", type=Path, required=True, help="what `denoise` wrote")
     v.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
-    v.add_argument("--out", type=Path, required=True)
+    v.add_argument("--out", type=Path, required=True, help="video path: .mp4, .mkv, .mov or .gif")
     v.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
 
     c = sub.add_parser("verify", parents=[common], help="check a bundle: schema, sha256, tensors, programs, "
@@ -284,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         return serve(args)
     from .video import check_fps, check_video_path, write_videos
 
+    if getattr(args, "prompt", None) is not None:  # an empty prompt fails before the bundle is read
+        from .text import check_prompt
+
+        check_prompt(args.prompt)
     primary = distributed.is_primary()
     magcache = magcache_from_args(args) if hasattr(args, "magcache") else None  # a bad file fails first
     if hasattr(args, "sigmas"):  # bad sigmas or a bad sampler name fail before the bundle is loaded
@@ -499,9 +508,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("runtime").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     from .errors import UserError
+    from .extras import missing
 
     try:
         return run(args)
+    except ModuleNotFoundError as e:  # an optional extra not installed (fastapi for serve, ...): say which
+        error = missing(e, f"python -m runtime {args.command}")
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

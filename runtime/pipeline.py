@@ -22,7 +22,7 @@ from .errors import UserError
 from .kinds import Kind
 from .magcache import MagCache
 from .settings import MAX_SEED, DenoiseSettings  # noqa: F401  (public names of this module)
-from .text import PromptTokenizer
+from .text import PromptTokenizer, check_prompt
 
 log = logging.getLogger("runtime")
 
@@ -138,10 +138,14 @@ class Pipeline:
     def _prompts(self, prompt: str | Sequence[str], what: str) -> list[str]:
         b = self.geometry.batch
         if isinstance(prompt, str):
-            return [prompt] * b
-        prompts = list(prompt) if isinstance(prompt, (list, tuple)) else []
-        if len(prompts) != b or not all(isinstance(p, str) for p in prompts):
-            raise UserError(f"{what} must be a string or a list of {b} strings (the bundle's batch size)")
+            prompts = [prompt] * b
+        else:
+            prompts = list(prompt) if isinstance(prompt, (list, tuple)) else []
+            if len(prompts) != b or not all(isinstance(p, str) for p in prompts):
+                raise UserError(f"{what} must be a string or a list of {b} strings (the bundle's batch size)")
+        if what == "prompt":  # a negative prompt may be empty (diffusers' default); a prompt may not
+            for p, name in zip(prompts, _names(prompts, "prompt")):
+                check_prompt(p, name)
         return prompts
 
     def encode(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
@@ -160,8 +164,9 @@ class Pipeline:
         if media is not None:
             self._check_videos(g, media)
         pil = self._load_images(image, last_image)  # unreadable images fail before any program runs
-        prompts = self._prompts(prompt, "prompt") + self._prompts(negative_prompt, "negative_prompt")
-        ids, mask = self.tokenizer()(prompts)
+        positive, negative = self._prompts(prompt, "prompt"), self._prompts(negative_prompt, "negative_prompt")
+        ids, mask = self.tokenizer()(positive + negative, names=_names(positive, "prompt") +
+                                     _names(negative, "negative prompt"))
         n = self._text_length(int(mask.sum(axis=1).max()))
         name = kinds.text_encoder_program(n, self.geometry.max_sequence_length)
         embeds = fetch(self.bundle.call(name)(ids[:, :n], mask[:, :n])).astype(np.float32)
@@ -650,6 +655,7 @@ class Pipeline:
         `low_memory`: drop each stage's weights once the run is past it (`unload_before`), as a process making one
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
         again."""
+        self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)
         g = self.denoise_shape({}, latents, size, frames) if latents is not None else \
@@ -672,6 +678,13 @@ class Pipeline:
         except BaseException:
             self.bundle.cancel_prefetch()
             raise
+
+
+def _names(prompts: list[str], what: str) -> list[str]:
+    """What each prompt of a batch is called in messages: `what`, or "`what` i of B" where they differ."""
+    if len(set(prompts)) <= 1:
+        return [what] * len(prompts)
+    return [f"{what} {i + 1} of {len(prompts)}" for i in range(len(prompts))]
 
 
 def parse_size(size: Size) -> tuple[int, int]:

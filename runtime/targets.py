@@ -6,6 +6,15 @@ manifest; the runtime rebuilds the same mesh from the devices it finds.
 dp carries the classifier-free-guidance halves (and the batch), sp the query
 sequence of self-attention, tp the attention heads and MLP features (DESIGN.md
 section 5). The TPU presets follow the seeds: v6e-8 runs dp=2 x tp=4.
+
+The multi-GPU presets are for one NVLink node of H100s or H200s (80 / 141 GB each) and use
+the TPU presets' sharding rules (export/sharding.py), with plain-XLA attention (the Pallas
+kernel is TPU-only; cuDNN's attention cannot be lowered on a CPU build host). dp=2 comes
+first because the two CFG halves need no communication at all: cuda-2 keeps the whole DiT
+on each GPU (the 14B in bf16 is 28.6 GB), and tp splits the weights and heads only beyond
+that (cuda-4: dp=2 x tp=2; cuda-8: dp=2 x tp=4, as tpu-v6e-8), so that tp's all-reduces
+stay within 2 or 4 GPUs. Every Wan head count (12, 24, 40) divides over tp=4. No device
+kind is recorded: one bundle runs on either card.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ PRESETS: dict[str, Target] = {t.name: t for t in (
     # 8 fake host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8): every axis > 1, for tests.
     _t("cpu-8", "cpu", 2, 2, 2),
     _t("cuda", "cuda", 1, 1, 1),
+    _t("cuda-2", "cuda", 2, 1, 1),
+    _t("cuda-4", "cuda", 2, 1, 2),
+    _t("cuda-8", "cuda", 2, 1, 4),
     _t("tpu-v6e-4", "tpu", 2, 1, 2, "TPU v6 lite"),
     _t("tpu-v6e-8", "tpu", 2, 1, 4, "TPU v6 lite"),
     _t("tpu-v6e-16", "tpu", 2, 1, 8, "TPU v6 lite"),

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -63,6 +64,35 @@ def run_cli(module: str, *args: str, check: bool = True) -> subprocess.Completed
     if check and code != 0:
         raise AssertionError(f"python -m {module} {' '.join(args)} failed ({code}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def blocked_run(blocked: tuple[str, ...], code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `code` (with sys.argv[1:] = args) where importing any of `blocked` raises ModuleNotFoundError, as if it were
+    not installed, and any that got imported anyway makes the process exit 3."""
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        BLOCKED = {blocked!r}
+
+        class Blocker(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ModuleNotFoundError(f"No module named {{name!r}} (blocked here)", name=name)
+                return None
+
+        sys.meta_path.insert(0, Blocker())
+        code = 1
+        try:
+    """) + textwrap.indent(textwrap.dedent(code), "    ") + textwrap.dedent("""
+        finally:
+            leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+            if leaked:
+                print("leaked imports:", leaked, file=sys.stderr)
+                code = 3
+        sys.exit(code)
+    """)
+    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 T = TypeVar("T")

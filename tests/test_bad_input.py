@@ -8,6 +8,7 @@ test_bundle_checks, test_targets, test_multidevice, test_attach.)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import runtime
-from runtime.errors import BundleError
+from runtime.errors import BundleError, UserError
 
 from .conftest import CASES, ROOT, run_cli, run_module
 from .test_bundle_checks import _rewrite_manifest
@@ -129,11 +130,51 @@ def test_non_finite_latents_name_the_step(bundle_copy: Path, tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == [bundle_copy]  # no video, no partial file
 
 
-def test_long_prompt_is_truncated_with_a_warning(fp32_bundles, tmp_path: Path) -> None:
-    out = tmp_path / "e.safetensors"
-    proc = run_module("runtime", "encode", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", "word " * 200,
-                      "--out", str(out))
-    assert "prompt longer than 24 tokens was truncated" in proc.stderr and out.is_file()
+def test_long_prompt_is_truncated_with_one_warning_naming_it(fp32_bundles, tmp_path: Path) -> None:
+    """One warning per run (generate tokenizes twice: to pick the programs, then to encode), naming which prompt is
+    long and how many tokens were kept."""
+    out = tmp_path / "v.mp4"
+    proc = run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", "a fox",
+                      "--negative-prompt", "word " * 200, "--steps", "1", "--out", str(out))
+    warnings = [line for line in proc.stderr.splitlines() if "tokens" in line]
+    assert len(warnings) == 1 and out.is_file(), proc.stderr
+    tokens = _tokens(fp32_bundles["tiny-64x32-f9"], "word " * 200)
+    assert tokens > 24 and warnings[0].startswith(
+        f"runtime: negative prompt has {tokens} tokens, more than the bundle's 24 (its --max-sequence-length): "
+        "truncated to its first 24: 'word word"), warnings[0]
+
+
+def test_long_prompt_warning_from_the_python_api(fp32_bundles, caplog: pytest.LogCaptureFixture) -> None:
+    pipe = runtime.load(fp32_bundles["tiny-64x32-f9"])
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        pipe.generate("word " * 30, steps=1, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "tokens" in r.getMessage()]
+    tokens = _tokens(fp32_bundles["tiny-64x32-f9"], "word " * 30)
+    assert len(warnings) == 1 and warnings[0].startswith(f"prompt has {tokens} tokens, more than the bundle's 24"), \
+        warnings
+
+
+def _tokens(bundle: Path, prompt: str) -> int:
+    """The prompt's tokens, untruncated, by the bundle's tokenizer (export writes it without truncation)."""
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json")).encode(prompt.strip()).ids)
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n\t "])
+def test_empty_prompt_is_refused(fp32_bundles, tmp_path: Path, prompt: str) -> None:
+    """As the server answers 400: an empty prompt would make an unconditional video (runtime/README.md)."""
+    out = tmp_path / "v.mp4"
+    proc = run_cli("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), "--prompt", prompt, "--out", str(out),
+                   check=False)
+    _fails_cleanly(proc, "prompt is empty: describe the video")
+    assert list(tmp_path.iterdir()) == []
+    pipe = runtime.load(fp32_bundles["tiny-64x32-f9"])
+    for call in (lambda: pipe.generate(prompt, steps=1), lambda: pipe.encode(prompt),
+                 lambda: pipe.generate([prompt], steps=1)):
+        with pytest.raises(UserError, match="^prompt is empty: describe the video"):
+            call()
+    assert pipe.encode("a fox", negative_prompt=prompt)["negative_prompt_embeds"].shape[0] == 1  # may be empty
 
 
 # -- bundles ----------------------------------------------------------------------------------------

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .conftest import CASES, run_module
+from .conftest import CASES, ROOT
 
 
 def test_streaming_writer_round_trips(tmp_path: Path) -> None:
@@ -129,10 +133,17 @@ def _digests(bundle: Path) -> dict[str, str]:
 
 
 def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) -> None:
+    """Exported again by the same code installed elsewhere (a copy of the packages at another path, as another venv or
+    checkout has them): the same bytes. Programs record source locations, relative to where the code is."""
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
-    again = tmp_path / "again"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(again), "-q")
+    again, elsewhere = tmp_path / "again", tmp_path / "elsewhere"
+    for package in ("export", "runtime"):
+        shutil.copytree(ROOT / package, elsewhere / package, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "export", "--model", str(checkpoints[variant]), "--resolution", res,
+                           "--frames", str(frames), "--dtype", "fp32", "--max-sequence-length", str(max_len),
+                           "--out", str(again), "-q"], cwd=elsewhere, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(elsewhere), "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     first = _digests(fp32_bundles["tiny-64x32-f9"])
     assert set(first) == {"manifest.json", "tokenizer/tokenizer.json", "weights/text_encoder.safetensors",
                           "weights/transformer.safetensors", "weights/vae.safetensors",

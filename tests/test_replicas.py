@@ -23,13 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from . import pg_bin
+from .pg_bin import PROGRAMS as PG_PROGRAMS
 from .test_serve import Server, _free_port, _mp4_frames, _wait
 
 openai = pytest.importorskip("openai")
 psycopg = pytest.importorskip("psycopg")
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 LEASE = "2"  # seconds: short, so that a takeover happens within the test
 
 
@@ -40,8 +41,11 @@ def _as_postgres(*cmd: str) -> list[str]:
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[str]:
     """A PostgreSQL server of its own on a loopback port; yields its admin URL."""
-    if not (PG_BIN / "initdb").is_file():
-        raise AssertionError(f"PostgreSQL is not installed ({PG_BIN}): apt-get install postgresql (.ci/run does)")
+    bin_dir = pg_bin.find()
+    if bin_dir is None:
+        where = ", ".join(map(str, pg_bin.candidates()))
+        raise AssertionError(f"PostgreSQL's server is not installed (no initdb in {where or '/usr/lib/postgresql'}): "
+                             "apt-get install postgresql (.ci/run does)")
     root = Path(tempfile.mkdtemp(prefix="wan-aot-pg-"))
     root.chmod(0o755)
     data, sock = root / "data", root / "sock"
@@ -50,17 +54,28 @@ def postgres() -> Iterator[str]:
         shutil.chown(root, "postgres")
         shutil.chown(sock, "postgres")
     port = _free_port()
-    subprocess.run(_as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"),
+    subprocess.run(_as_postgres(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"),
                    check=True, capture_output=True, timeout=120)
-    subprocess.run(_as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-o",
+    subprocess.run(_as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-o",
                                 f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c max_connections=200",
                                 "-l", str(root / "log"), "-w", "start"), check=True, capture_output=True, timeout=120)
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run(_as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"),
+        subprocess.run(_as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"),
                        capture_output=True, timeout=120)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_newest_installed_server_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only 15: the newest major version with a server (initdb and pg_ctl) under Debian's layout, numerically."""
+    for version, programs in (("9.6", PG_PROGRAMS), ("15", PG_PROGRAMS), ("16", PG_PROGRAMS), ("17", ("pg_ctl",))):
+        (tmp_path / version / "bin").mkdir(parents=True)
+        for name in programs:
+            (tmp_path / version / "bin" / name).touch()
+    monkeypatch.setattr(pg_bin.shutil, "which", lambda name: None)  # no pg_config, no initdb on PATH
+    assert pg_bin.find(tmp_path) == tmp_path / "16" / "bin"
+    assert pg_bin.find(tmp_path / "none") is None
 
 
 _databases = iter(range(1, 10_000))

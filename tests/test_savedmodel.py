@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -15,38 +13,9 @@ import runtime
 from runtime import intermediates as im
 from runtime import kinds
 
-from .conftest import ROOT, in_parallel, run_module, run_modules
+from .conftest import blocked_run, in_parallel, run_module, run_modules
 
 PROMPT = "a red fox running through snow"
-
-
-def blocked_run(blocked: tuple[str, ...], code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `code` (with sys.argv[1:] = args) where importing any of `blocked` raises, and any that got
-    imported anyway makes the process exit 3."""
-    script = textwrap.dedent(f"""
-        import importlib.abc, sys
-        BLOCKED = {blocked!r}
-
-        class Blocker(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is blocked here", name=name)
-                return None
-
-        sys.meta_path.insert(0, Blocker())
-        code = 1
-        try:
-    """) + textwrap.indent(textwrap.dedent(code), "    ") + textwrap.dedent("""
-        finally:
-            leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
-            if leaked:
-                print("leaked imports:", leaked, file=sys.stderr)
-                code = 3
-        sys.exit(code)
-    """)
-    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def export_cli(*args: str, blocked: tuple[str, ...] = ("torch", "torchax", "diffusers", "transformers")

@@ -161,7 +161,12 @@ CROSS_KV = re.compile(r"((vace_)?blocks\.\d+\.attn2\.(to_k|to_v|norm_k|add_k_pro
 
 @pytest.mark.parametrize("case", CASES)
 def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], case: str) -> None:
-    bundle = tpu_bundles[case]
+    check_weight_shardings(tpu_bundles[case])
+
+
+def check_weight_shardings(bundle: Path) -> None:
+    """Every program of `bundle` takes each weight as export/sharding.py's table splits it over the target's mesh (and
+    the manifest says so); the DiT is Megatron-style over tp, the text encoder FSDP, the VAE replicated."""
     m = mf.read(bundle)
     layers = m.source["config"].get("image_encoder", {}).get("num_hidden_layers")
     for full, prog in m.programs.items():

@@ -42,7 +42,7 @@ from runtime import settings as st  # noqa: E402
 from runtime.errors import UserError  # noqa: E402
 from runtime.files import check_writable  # noqa: E402
 from runtime.manifest import Defaults, Geometry  # noqa: E402
-from runtime.text import PromptTokenizer  # noqa: E402
+from runtime.text import PromptTokenizer, check_prompt  # noqa: E402
 from runtime.video import check_fps, check_video_path, write_videos  # noqa: E402
 
 log = logging.getLogger("tf_generate")
@@ -114,7 +114,8 @@ class SavedModelPipeline:
         b = self.geometry.batch
         tokenizer = PromptTokenizer.from_file(self.directory / self.info["tokenizer"],
                                               self.geometry.max_sequence_length)
-        ids, mask = tokenizer([prompt] * b + [negative_prompt] * b)
+        check_prompt(prompt)  # as the runtime and the server refuse an empty one
+        ids, mask = tokenizer([prompt] * b + [negative_prompt] * b, names=["prompt"] * b + ["negative prompt"] * b)
         return self.run("text_encoder", ids=ids, mask=mask)["embeds"].astype(np.float32)
 
     def denoise(self, context: np.ndarray, latents: np.ndarray, extras: dict[str, np.ndarray], s: st.DenoiseSettings,
@@ -185,6 +186,7 @@ def generate(args: argparse.Namespace) -> list[Path]:
     first = None if args.image is None else images.load_image(args.image, "--image")
     last = None if args.last_image is None else images.load_image(args.last_image, "--last-image")
     kinds.check_images(pipe.kind, first, last)
+    check_prompt(args.prompt)  # before the SavedModel loads
     s = st.resolve(pipe.defaults, pipe.kind, pipe.config, args.seed, args.steps, args.guidance, args.flow_shift,
                    args.guidance_2, args.sampler, samplers.parse_sigmas(args.sigmas))
     init = None
