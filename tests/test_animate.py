@@ -267,6 +267,7 @@ def test_the_server_takes_the_videos_as_multipart_files(bundles, tmp_path) -> No
         assert set(schema["required"]) == {"prompt", "input_reference", "pose_video", "face_video"}
         assert "seconds" not in schema["properties"] and schema["properties"]["mode"]["enum"] == ["animate", "replace"]
         assert schema["properties"]["prev_segment_frames"]["enum"] == [1, 5]
+        assert schema["then"] == {"required": ["background_video", "mask_video"]}  # with mode replace
         r = httpx.post(server.url + "/v1/videos", headers=headers, files=parts,
                        data={"prompt": PROMPT, "mode": "replace", "num_inference_steps": "2"})
         assert r.status_code == 200, r.text
@@ -294,3 +295,47 @@ def test_the_server_takes_the_videos_as_multipart_files(bundles, tmp_path) -> No
             r = httpx.post(server.url + "/v1/videos", headers=headers, files=extra, data={"prompt": PROMPT, **data})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
             assert r.json()["error"]["message"].startswith(message), r.text
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_the_playground_takes_the_character_and_the_videos(bundles, tmp_path) -> None:
+    """On an Animate bundle the page asks for the character image, the pose and face videos and the mode (no
+    duration: the pose video's), shows the background and mask inputs for replace, and a job made there is the CLI's
+    video from those files."""
+    from .test_playground import CHROMIUM, sync_api
+    from .test_serve import _mp4_frames, _wait, serving
+
+    n = 10
+    test_image(36, 44, seed=20).save(tmp_path / "me.png")
+    pose = _mp4(_video(n, WIDTH, HEIGHT, seed=21), tmp_path / "pose.mp4")
+    face = _mp4(_video(n, FACE, FACE, seed=22), tmp_path / "face.mp4")
+    run_module("runtime", "generate", str(bundles["fp32"]), "--prompt", PROMPT, "--image", str(tmp_path / "me.png"),
+               "--pose-video", str(pose), "--face-video", str(face), "--steps", "2", "--out", str(tmp_path / "cli.mp4"),
+               "-q")
+    want = _mp4_frames((tmp_path / "cli.mp4").read_bytes(), tmp_path).astype(np.int16)
+    with serving(bundles["fp32"], tmp_path / "jobs") as server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        sync_api.expect(page.get_by_label("Prompt", exact=True)).to_be_visible()
+        for shown in ("Character image", "Pose video (the video is as long)", "Face video (one face crop per pose "
+                      "frame)", "Mode", "Frames carried between segments"):
+            assert page.get_by_label(shown).is_visible(), shown
+        for hidden in ("Duration", "Background video (without the person)", "Video (control or source)"):
+            assert not page.get_by_label(hidden).is_visible(), hidden
+        page.get_by_label("Mode").select_option("replace")
+        assert page.get_by_label("Background video (without the person)").is_visible()
+        page.get_by_label("Mode").select_option("animate")
+        page.get_by_label("Prompt", exact=True).fill(PROMPT)
+        page.get_by_label("Steps").fill("2")
+        page.get_by_label("Character image").set_input_files(str(tmp_path / "me.png"))
+        page.get_by_label("Pose video (the video is as long)").set_input_files(str(pose))
+        page.get_by_label("Face video (one face crop per pose frame)").set_input_files(str(face))
+        page.get_by_role("button", name="Generate").click()
+        video = page.locator("#jobs li").first.locator("video")
+        sync_api.expect(video).to_have_count(1, timeout=120_000)
+        browser.close()
+        client = server.client(key="unused")
+        job = _wait(client, client.videos.list(limit=1).data[0].id, "completed")
+        got = _mp4_frames(client.videos.download_content(job.id).read(), tmp_path).astype(np.int16)
+        assert got.shape == want.shape == (n, HEIGHT, WIDTH, 3) and np.abs(got - want).max() <= 1

@@ -355,6 +355,10 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
               "not": {"required": ["sigmas", "num_inference_steps"]}}
     if "seconds" in schema["properties"]:
         schema.update(_seconds_schema(offer, schema["properties"]["seconds"]))
+    if offer.kind.animate:  # replace takes a background and a mask video, animate neither
+        replace = {"properties": {"mode": {"const": "replace"}}, "required": ["mode"]}
+        schema["if"], schema["then"] = replace, {"required": ["background_video", "mask_video"]}
+        schema["else"] = {"not": {"anyOf": [{"required": ["background_video"]}, {"required": ["mask_video"]}]}}
     return schema
 
 
