@@ -203,10 +203,10 @@ class Field:
                     for v in items):
                 what = "comma-separated decimals" if form else "a list of numbers"
                 raise ApiError(400, f"{self.name} must be {what} in {lo:g}..{hi:g}, got {value!r}", self.name)
-            levels = sorted({float(v) for v in items}, reverse=True)  # the distinct levels, run from the highest
-            if len(levels) > _bound(self.max_items, offer):
-                raise ApiError(400, f"{self.name}: {len(levels)} levels, more than this server runs", self.name)
-            return levels
+            if len(items) > _bound(self.max_items, offer):  # counted as sent, as the document's maxItems counts
+                raise ApiError(400, f"{self.name}: {len(items)} levels, more than this server runs "
+                                    f"({_bound(self.max_items, offer)} steps)", self.name)
+            return sorted({float(v) for v in items}, reverse=True)  # the distinct levels, run from the highest
         if not isinstance(value, str):
             raise ApiError(400, f"{self.name} must be a string, got {value!r}", self.name)
         if self.max_length is not None and len(value) > self.max_length:
