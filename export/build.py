@@ -229,7 +229,7 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
         ex = extract(parts, dataclasses.replace(attention, kernel="xla"), conv_as_2d=cpu)
     elif group in ("transformer", "transformer_2"):
         ex = extract(module, attention, mesh, {r"(vace_)?blocks\.\d+": lambda: sharding.current_layout().hidden},
-                     cpu_dots=cpu)
+                     conv_as_2d=cpu, cpu_dots=cpu)
     else:
         ex = extract(module, dataclasses.replace(attention, kernel="xla"), cpu_dots=cpu)
     ex.quantized = quantized
