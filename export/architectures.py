@@ -109,6 +109,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Wan2.2-VACE-Fun-A14B (alibaba-pai): the VACE branch on both experts of Wan2.2-T2V-A14B
     "wan2.2-vace-fun-a14b": _arch("WanVACEPipeline", "alibaba-pai/Wan2.2-VACE-Fun-A14B",
                                   _transformer(40, 13824, 40, **_VACE_14B), boundary_ratio=0.875),
+    # Wan2.2-Animate-14B: 36 input channels over one more latent frame (the reference image's), CLIP cross-attention
+    # with added K/V, a pose patch embedding, a 512x512 face motion encoder and face adapters every 5 blocks
+    # (diffusers' WanAnimateTransformer3DModel defaults for the motion and face parts).
+    "wan2.2-animate-14b": _arch("WanAnimatePipeline", "Wan-AI/Wan2.2-Animate-14B-Diffusers",
+                                _transformer(40, 13824, 40, in_channels=36, latent_channels=16, image_dim=1280,
+                                             added_kv_proj_dim=5120, motion_encoder_size=512,
+                                             inject_face_latents_blocks=5),
+                                flow_shift=5.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
     "wan2.1-flf2v-14b-720p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
                                    _transformer(40, 13824, 40, **_I2V_14B, pos_embed_seq_len=2 * 257),
                                    flow_shift=16.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),

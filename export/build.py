@@ -45,7 +45,17 @@ from runtime.manifest import (
     shape_suffix,
 )
 
-from . import cross_kv, denoise, denoise_blocks, image_encoder, lora, sharding, text_encoder, vae_decoder
+from . import (
+    cross_kv,
+    denoise,
+    denoise_blocks,
+    face_motion,
+    image_encoder,
+    lora,
+    sharding,
+    text_encoder,
+    vae_decoder,
+)
 from . import vae as vae_stage
 from . import weights as weight_writer
 from .attention import AttentionConfig
@@ -219,7 +229,7 @@ def load_component(src: Source, group: str, attention: AttentionConfig, mesh: An
         ex = extract(parts, dataclasses.replace(attention, kernel="xla"), conv_as_2d=cpu)
     elif group in ("transformer", "transformer_2"):
         ex = extract(module, attention, mesh, {r"(vace_)?blocks\.\d+": lambda: sharding.current_layout().hidden},
-                     cpu_dots=cpu)
+                     conv_as_2d=cpu, cpu_dots=cpu)
     else:
         ex = extract(module, dataclasses.replace(attention, kernel="xla"), cpu_dots=cpu)
     ex.quantized = quantized
@@ -241,15 +251,16 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
     kind = src.model
-    refs = s.reference_images if kind.reference_images else (0,)  # VACE: the DiT's programs per count of them
+    # VACE: the DiT's programs per count of reference images; Animate: its character image, always one latent frame
+    refs = s.reference_images if kind.reference_images else (1,) if kind.animate else (0,)
     shapes = [geometry(src, s, shape, r) for shape in s.shapes for r in refs]
     geo = shapes[0]  # the default shape; what does not depend on the shape is traced with it
     for g in shapes:
         sharding.check_dit(s.target, dit_shape(src, g), src.id,
                            f"{g.size} x {g.frames} frames" if len(shapes) > 1 else "")
     sampler, sched_cfg, shift = samplers.from_checkpoint(src.scheduler_config)
-    run_defaults = defaults_for(kind, sched_cfg, Defaults(steps=50, guidance=5.0, flow_shift=shift, fps=kind.fps,
-                                                          sampler=sampler), s.defaults)
+    run_defaults = defaults_for(kind, sched_cfg, Defaults(steps=kind.steps, guidance=kind.guidance, flow_shift=shift,
+                                                          fps=kind.fps, sampler=sampler), s.defaults)
     order = sched_cfg.solver_order
     adapters = lora.read_merges(list(s.loras), expert_shapes(src)) if s.loras else []
     attention = attention_for(s.target, s.attention)
@@ -314,8 +325,10 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
 
             # Keys and values over a short prompt's rows (export/cross_kv.py): CPU targets, where cross-attention
             # over 512 rows is a tenth of a small video's step; elsewhere as before (the TPU kernel takes no bias).
-            # (Not for VACE: its head runs the VACE blocks' cross-attention, on the whole text's keys and values.)
-            short_rows = kinds.short_text_lengths(L) if s.target.platform == "cpu" and not kind.vace else ()
+            # (Not for VACE: its head runs the VACE blocks' cross-attention, on the whole text's keys and values; nor
+            # where the steps are one program each, Animate's.)
+            short_rows = kinds.short_text_lengths(L) if s.target.platform == "cpu" and not kind.vace \
+                and kind.block_loop else ()
             image_tokens = None
             if kind.image_encoder:
                 cfg = src.image_encoder_config or {}
@@ -340,6 +353,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
                     for t in short_rows:
                         add_program(kinds.cross_kv_program(0, t), group, cross_kv.build(ex, model_dtype, L - t),
                                     kv_inputs(kind, geo, image_tokens, t), ["kv"])
+                    if kind.animate:  # the face video's motion vectors, per frame count (shape_scope "video")
+                        export_face_motion(ex, shapes, geo, model_dtype, add_program)
                     block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
                     for g in shapes:  # the model loaded once; each shape costs its own tracing only
                         export_denoise(src, ex, block, kind, g, s.target, order, model_dtype,
@@ -457,12 +472,18 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[s
     b, z, t, h, w = geo.latent_shape
     shapes = {
         # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents
-        "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning == "concat" else (b, z, 1, h, w),
+        "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning in ("concat", "animate")
+        else (b, z, 1, h, w),
         "mask": (1, 1, t, h, w),
     }
     if kind.vace:  # the inactive and reactive latents and the folded mask, for the reference images' frames too
         shapes["control"] = (b, int(module.config.vace_in_channels), t, h, w)
         shapes["control_scale"] = (len(module.config.vace_layers),)
+    if kind.animate:  # the pose latents of the video's frames; the face_motion program's vectors, for cond and uncond
+        cfg = module.config
+        shapes["pose"] = (b, z, geo.latent_frames, h, w)
+        shapes["motion"] = (2, b, geo.latent_frames, int(cfg.face_encoder_num_heads) + 1,
+                            int(cfg.num_attention_heads) * int(cfg.attention_head_dim))
     return {name: TensorSpec(shapes[name], "float32") for name in kind.conditioning_inputs}
 
 
@@ -475,6 +496,17 @@ def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None,
     shapes = {"context": (2 * geo.batch, text_rows or geo.max_sequence_length, geo.text_dim),
               "image_embeds": (geo.batch * image_tokens[0], *image_tokens[1:]) if image_tokens else ()}
     return {name: TensorSpec(shapes[name], "float32") for name in kind.kv_inputs}
+
+
+def export_face_motion(ex: Extracted, shapes: list[Geometry], default: Geometry, model_dtype: Any,
+                       add_program: Any) -> None:
+    """Wan-Animate's face_motion program (export/face_motion.py) for each frame count: a face video of the shape's
+    frames at motion_encoder_size x motion_encoder_size, float32 in [-1, 1], to the face encoder's vectors."""
+    size = int(ex.module.config.motion_encoder_size)
+    fn = face_motion.build(ex, model_dtype)
+    for g in shapes:
+        add_program("face_motion" + shape_suffix("video", g, default), "transformer", fn,
+                    {"face": TensorSpec((1, 3, g.frames, size, size), "float32")}, ["motion"])
 
 
 def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo: Geometry, target: Target,
@@ -531,6 +563,9 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
             # A VACE model's head runs the VACE blocks (their cross-attention reads kv): its head and tail take every
             # input (BlockLoop.head_takes_shared), and it carries the hints, split like the hidden states.
             own_step, own_inputs = (step, inputs) if kind.vace else (no_kv, without_kv)
+            if not kind.block_loop:  # one program per variant
+                add_program(name, "transformer", step, inputs, outputs, output_partition=tuple(out_partition))
+                continue
             hints = PartitionSpec(None, *hidden)
             if batch not in heads:  # the step up to the first block is the same for every variant of this batch
                 carry = denoise_blocks.Carry()

@@ -17,6 +17,7 @@ blends the image latent into the masked frame and gives its tokens timestep 0.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 from runtime.kinds import DENOISE_VARIANTS, DenoiseVariant, Kind
 
-from . import block_cache, cross_kv
+from . import block_cache, cross_kv, face_motion
 from .trace import Extracted
 
 
@@ -46,6 +47,9 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     control float32 (B, C, T, H, W) and control_scale float32 (VACE layers,) for "vace": the VACE branch's
     input latents and the scale of each of its hints, as diffusers' control_hidden_states(_scale), the same for
     cond and uncond;
+    condition float32 (B, 4 + z, T, H, W), pose float32 (B, z, T - 1, H, W) and motion float32 (2, B, T - 1, tokens,
+    dim) for "animate": the reference and segment latents with their mask (as "concat"), the pose video's latents,
+    and the face_motion program's vectors of the face video then (for the uncond half) of the black face;
     residual (2B, S, dim) in the model dtype: the transformer blocks' output minus input, returned by a
     "residual" variant and taken (instead of running the blocks) by a "cached" one (export/block_cache.py).
     """
@@ -59,7 +63,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         named = dict(zip(kind.conditioning_inputs, extras, strict=True))
         x, xprev, hist = state[0], state[1], state[2:]
         b = x.shape[0]
-        if kind.conditioning == "concat":  # as diffusers: cat([latents, condition], dim=1).to(dtype)
+        if kind.conditioning in ("concat", "animate"):  # as diffusers: cat([latents, condition], dim=1).to(dtype)
             model_x = jnp.concatenate([x, named["condition"]], axis=1)
             t = jnp.full((copies * b,), timestep, jnp.float32)
         elif kind.conditioning == "first_frame":  # (1 - mask) * condition + mask * latents; t per token
@@ -80,8 +84,14 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         if kind.vace:  # as diffusers: conditioning_latents.to(dtype), conditioning_scale.to(dtype)
             kwargs["control_hidden_states"] = jnp.concatenate([named["control"]] * copies).astype(dtype)
             kwargs["control_hidden_states_scale"] = named["control_scale"].astype(dtype)
+        motion = contextlib.nullcontext()
+        if kind.animate:  # the same pose for cond and uncond; the face's motion, and the black face's for uncond
+            kwargs["pose_hidden_states"] = jnp.concatenate([named["pose"]] * copies).astype(dtype)
+            kwargs["face_pixel_values"] = face_motion.placeholder(copies * b, dtype)
+            faces = named["motion"][:copies]  # (copies, B, T - 1, tokens, dim): cond, then uncond
+            motion = face_motion.precomputed(ex.module, ex.env, faces.reshape(-1, *faces.shape[2:]).astype(dtype))
         args = (model_in, t, jnp.zeros((n, text_tokens, 0), dtype))
-        with cross_kv.precomputed(ex.module, ex.env, kv, text_tokens):
+        with cross_kv.precomputed(ex.module, ex.env, kv, text_tokens), motion:
             if variant.residual == "out":
                 with block_cache.capture(ex.module) as box:
                     out = ex.fn(weights, args, kwargs)[0]

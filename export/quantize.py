@@ -35,7 +35,8 @@ STORAGE = {"int8": "int8", "fp8": "float8_e4m3fn", "int8-dynamic": "int8"}  # th
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}  # the largest magnitude of the storage dtype
 
 _BLOCK = r"(vace_)?blocks\.\d+\."  # VACE models' VACE blocks are blocks too
-_DIT = [_BLOCK + r"attn[12]\.(to_[qkv]|to_out\.0|add_[kv]_proj)", _BLOCK + r"ffn\.net\.(0\.proj|2)"]
+_DIT = [_BLOCK + r"attn[12]\.(to_[qkv]|to_out\.0|add_[kv]_proj)", _BLOCK + r"ffn\.net\.(0\.proj|2)",
+        r"face_adapter\.\d+\.to_(q|k|v|out)"]  # Wan-Animate's face adapters
 # Weight group -> patterns of the module names whose weight is quantized (Linear, or Embedding per row).
 QUANTIZED: dict[str, list[str]] = {
     "transformer": _DIT,

@@ -60,6 +60,11 @@ RULES: dict[str, list[tuple[str, Any]]] = {
         (_BLOCK + r"ffn\.net\.0\.proj\.weight", ("tp", None)),
         (_BLOCK + r"ffn\.net\.0\.proj\.bias", ("tp",)),
         (_BLOCK + r"ffn\.net\.2\.weight", (None, "tp")),
+        # Wan-Animate's face adapters (8 at 14B, 839M parameters): split as the blocks' attention; their per-head
+        # norms replicated.
+        (r"face_adapter\.\d+\.to_[qkv]\.weight", ("tp", None)),
+        (r"face_adapter\.\d+\.to_[qkv]\.bias", ("tp",)),
+        (r"face_adapter\.\d+\.to_out\.weight", (None, "tp")),
         (r".*", REPLICATED),  # embedders, norms, modulation tables, proj_out, RoPE tables, biases after a reduce
     ],
     "umt5": [(r".*", FSDP)],

@@ -106,9 +106,12 @@ class Source:
 
 
 def transformer_class(kind: Kind) -> Any:
-    """diffusers' DiT class of a kind: WanVACETransformer3DModel for VACE, else WanTransformer3DModel."""
+    """diffusers' DiT class of a kind: WanVACETransformer3DModel for VACE, WanAnimateTransformer3DModel for Animate,
+    else WanTransformer3DModel."""
     import diffusers
 
+    if kind.animate:
+        return diffusers.WanAnimateTransformer3DModel
     return diffusers.WanVACETransformer3DModel if kind.vace else diffusers.WanTransformer3DModel
 
 
@@ -195,8 +198,9 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
     if model in architectures.ARCHITECTURES:
         arch = architectures.ARCHITECTURES[model]
         src = Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
-                     transformer_config=_full_config("vace_transformer" if arch["pipeline"] == "WanVACEPipeline"
-                                                     else "transformer", arch["transformer"]),
+                     transformer_config=_full_config({"WanVACEPipeline": "vace_transformer",
+                                                      "WanAnimatePipeline": "animate_transformer"}.get(
+                                                         arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False,
                      boundary_ratio=arch.get("boundary_ratio"),
@@ -285,7 +289,7 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
 
 
 PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v", "WanVACEPipeline": "vace",
-             "WanVideoToVideoPipeline": "v2v"}
+             "WanVideoToVideoPipeline": "v2v", "WanAnimatePipeline": "animate"}
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
@@ -296,6 +300,11 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
             raise UserError(f"{where}: expand_timesteps with two experts or an image encoder is not a Wan "
                             "configuration wan-aot knows")
         return "ti2v"
+    if PIPELINES[pipeline] == "animate":
+        if two_experts or not image_encoder:
+            raise UserError(f"{where}: Wan-Animate with two experts or without a CLIP image encoder is not a "
+                            "configuration wan-aot knows")
+        return "animate"
     if PIPELINES[pipeline] in ("t2v", "v2v"):  # video-to-video is text-to-video with a source video
         return "t2v-moe" if two_experts else "t2v"
     if PIPELINES[pipeline] == "vace" or transformer.get("vace_layers") is not None:
@@ -315,7 +324,7 @@ def check_consistent(src: Source) -> None:
     kind, t = src.model, src.transformer_config
     z = int(src.vae_config.get("z_dim") or 16)
     mask = int(src.vae_config.get("scale_factor_temporal") or 4)  # one mask channel per frame of a latent frame
-    want = z + mask + z if kind.conditioning == "concat" else z
+    want = z + mask + z if kind.conditioning in ("concat", "animate") else z
     if int(t["in_channels"]) != want or int(t["out_channels"]) != z:
         raise UserError(f"{src.id}: the transformer takes {t['in_channels']} channels and gives {t['out_channels']}, "
                         f"but a {kind.title} model with a z_dim {z} VAE needs {want} in and {z} out")
@@ -332,10 +341,15 @@ def check_consistent(src: Source) -> None:
 
 def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
     """The complete diffusers config (defaults filled in) of a component built from `args`."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel, WanVACETransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        WanAnimateTransformer3DModel,
+        WanTransformer3DModel,
+        WanVACETransformer3DModel,
+    )
 
     cls = {"transformer": WanTransformer3DModel, "vace_transformer": WanVACETransformer3DModel,
-           "vae": AutoencoderKLWan}[component]
+           "animate_transformer": WanAnimateTransformer3DModel, "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     return {**defaults, **args, "_class_name": cls.__name__}

@@ -25,13 +25,24 @@ _CLIP = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_atten
              patch_size=8, projection_dim=8, hidden_act="gelu")
 _CLIP_TOKENS = (32 // 8) ** 2 + 1
 _I2V_DIT = {**_DIT, "in_channels": 16 + 4 + 16, "image_dim": 8, "added_kv_proj_dim": 24}
+# Wan2.2-Animate-14B in miniature: a 36-channel DiT with CLIP cross-attention (added K/V, as the real model), a
+# pose patch embedding, a 32x32 face motion encoder (channels per feature map size; 32 -> 16 -> 8 -> 4, then 4x4 to
+# 1x1) and face adapters after blocks 0 and 2.
+_ANIMATE_DIT = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=36, latent_channels=16,
+    out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=4, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", image_dim=_CLIP["hidden_size"], added_kv_proj_dim=32, rope_max_seq_len=32,
+    motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 12, "32": 8, "64": 8}, motion_encoder_size=32,
+    motion_style_dim=16, motion_dim=4, motion_encoder_dim=16, face_encoder_hidden_dim=16, face_encoder_num_heads=2,
+    inject_face_latents_blocks=2, motion_encoder_batch_size=8,
+)
 # The Wan 2.2 VAE: residual blocks, 2x2 patchify (12 channels), 16x spatial downscale.
 _VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
               is_residual=True, patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16)
 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
-# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v"), experts (2: transformer_2 with boundary_ratio),
+# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate"), experts (2: transformer_2 with boundary_ratio),
 # expand_timesteps, image_encoder (a CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -77,6 +88,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                           text_encoder=_UMT5, flow_shift=3.0, pipeline="vace", experts=2, boundary_ratio=0.875),
     # WanVideoToVideoPipeline: Wan 2.1 T2V that takes a source video.
     "tiny-v2v": dict(transformer=_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, pipeline="v2v"),
+    # Wan2.2-Animate-14B: a reference image (CLIP and VAE), pose and face videos.
+    "tiny-animate": dict(transformer=_ANIMATE_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, pipeline="animate",
+                         image_encoder=_CLIP),
     # Wan2.2-I2V-A14B: no CLIP, two experts.
     "tiny-i2v-moe": dict(transformer={**_DIT, "in_channels": 36}, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0,
                          pipeline="i2v", experts=2, boundary_ratio=0.9),
@@ -119,6 +133,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
     from diffusers import (
         AutoencoderKLWan,
         UniPCMultistepScheduler,
+        WanAnimatePipeline,
+        WanAnimateTransformer3DModel,
         WanImageToVideoPipeline,
         WanPipeline,
         WanTransformer3DModel,
@@ -143,7 +159,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )).eval()
     pipeline = spec.get("pipeline", "t2v")
-    dit = WanVACETransformer3DModel if pipeline == "vace" else WanTransformer3DModel
+    dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel}.get(pipeline,
+                                                                                        WanTransformer3DModel)
     torch.manual_seed(1)
     transformer = dit(**spec["transformer"]).eval()
     torch.manual_seed(2)
@@ -170,7 +187,7 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         parts["expand_timesteps"] = True
     if pipeline in ("t2v", "vace", "v2v"):
         return {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline}[pipeline](**parts)
-    if "image_encoder" in spec:
+    if "image_encoder" in spec:  # (Animate's pipeline takes it too)
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
         torch.manual_seed(4)
@@ -181,7 +198,7 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
             crop_size={"height": cfg["image_size"], "width": cfg["image_size"]},
             resample=3, do_center_crop=True, do_normalize=True, do_rescale=True, do_resize=True, do_convert_rgb=True,
             image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
-    return WanImageToVideoPipeline(**parts)
+    return (WanAnimatePipeline if pipeline == "animate" else WanImageToVideoPipeline)(**parts)
 
 
 def save(variant: str, directory: Path) -> Path:

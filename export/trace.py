@@ -46,8 +46,8 @@ def extract(module: Any, attention: AttentionConfig, mesh: AbstractMesh | None =
     patterns to the PartitionSpec of their first input (e.g. every transformer block's
     hidden states), so the sharding survives the trip through torch code; a callable spec is
     asked at trace time (the DiT's layout depends on the program's batch). `conv_as_2d` runs 3D
-    convolutions as 2D ones (export/conv.py; for the VAE on CPU). `cpu_dots` accumulates bf16
-    matmuls in fp32 (export/cpu_dots.py; for CPU targets).
+    convolutions as 2D ones and depthwise ones as shifted sums (export/conv.py; for CPU targets).
+    `cpu_dots` accumulates bf16 matmuls in fp32 (export/cpu_dots.py; for CPU targets).
     """
     tx = load_torchax()
     strided_set.install()  # RoPE's strided channel writes without scatters (same values)

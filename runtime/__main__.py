@@ -8,6 +8,7 @@
     python -m runtime decode  BUNDLE --latents latents.safetensors --out video.mp4
     python -m runtime calibrate BUNDLE --prompt "..." --steps 50 --out ratios.json   # MagCache's ratios
     python -m runtime generate BUNDLE --prompt "..." --magcache ratios.json --out fast.mp4
+    python -m runtime generate BUNDLE --prompt "..." --image me.png --pose-video p.mp4 --face-video f.mp4 --out a.mp4
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
@@ -115,6 +116,36 @@ def _video_args(p: argparse.ArgumentParser, inputs: bool = True, settings: bool 
                             "the steps after the first int(steps x (1 - strength)) run")
 
 
+def _animate_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("Wan-Animate (animate bundles: --image is the character; the video has the pose video's "
+                             "length, made in segments of the shape's frames)")
+    a.add_argument("--pose-video", type=Path, default=None, help="the rendered pose video (skeletons) the character "
+                                                                 "follows")
+    a.add_argument("--face-video", type=Path, default=None,
+                   help="the face crops, one per pose frame (resized to the model's face size, 512x512 for the 14B)")
+    a.add_argument("--mode", choices=("animate", "replace"), default=None,
+                   help="animate: the character moves as the pose video says (default); replace: the character takes "
+                        "the place of the person in --background-video where --mask-video is white")
+    a.add_argument("--background-video", type=Path, default=None, help="replace: the video without the person")
+    a.add_argument("--mask-video", type=Path, default=None, help="replace: white where the character goes")
+    a.add_argument("--prev-segment-frames", type=int, default=1, metavar="1|5",
+                   help="frames each segment takes from the one before (default 1)")
+
+
+def animate_args(args: argparse.Namespace) -> dict:
+    """The Wan-Animate inputs the flags name, read and checked against each other (runtime/animate.py); {} if the
+    flags name none."""
+    names = ("pose_video", "face_video", "background_video", "mask_video")
+    if all(getattr(args, n, None) is None for n in names) and getattr(args, "mode", None) is None:
+        return {}
+    from .animate import load_inputs
+
+    mode = args.mode or "animate"
+    videos = load_inputs(args.pose_video, args.face_video, mode, args.background_video, args.mask_video)
+    return {"pose_video": videos.pose, "face_video": videos.face, "background_video": videos.background,
+            "mask_video": videos.mask, "mode": mode, "prev_segment_frames": args.prev_segment_frames}
+
+
 def video_args(args: argparse.Namespace) -> dict:
     """The video inputs the flags name, read (PIL frames), as generate/encode take them; {} if none."""
     from .images import load_image
@@ -152,6 +183,7 @@ def parser() -> argparse.ArgumentParser:
     _prompt_args(g)
     _image_args(g)
     _video_args(g)
+    _animate_args(g)
     _shape_args(g)
     _denoise_args(g)
     _magcache_args(g)
@@ -316,7 +348,13 @@ def run(args: argparse.Namespace) -> int:
 
             setattr(args, name, load_image(getattr(args, name), "--" + name.replace("_", "-")))
     videos = video_args(args)  # unreadable videos fail before the bundle is loaded
+    animated = animate_args(args)
     pipe = load(args.bundle, loras=loras_from_args(args))
+    if pipe.kind.animate and args.command in ("denoise", "calibrate"):
+        from .errors import UserError
+
+        raise UserError(f"Wan-Animate bundles run in segments, each of its own steps: use `generate` (with "
+                        f"--pose-video and --face-video), not `{args.command}`")
     g = pipe.geometry
     shape = {"size": getattr(args, "size", None), "frames": getattr(args, "frames", None)}
     if args.command != "decode":  # a shape the bundle lacks fails before any work
@@ -335,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
                                    magcache=magcache, low_memory=True, sampler=args.sampler, sigmas=args.sigmas,
                                    **videos, conditioning_scale=args.conditioning_scale, strength=args.strength,
-                                   **shape)  # one video per process
+                                   **animated, **shape)  # one video per process
         else:
             video_shapes = [s.video_latent_shape for s in pipe.manifest.shapes]  # what denoise writes
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": video_shapes})[0]["latents"]

@@ -27,13 +27,20 @@ def encode_images(kind: Kind, g: Geometry, image_processor: dict[str, Any] | Non
     """The denoise programs' image inputs (the names of kind.denoise_extras), float32, from PIL images:
     `image_embeds` (B x images, tokens, D) from CLIP's penultimate layer; `condition` (VAE latents of the
     image(s), with the frame mask in front for "concat" kinds); `mask` (1, 1, T, h, w) for "first_frame"
-    kinds. `chunk_frames` is the pixel frames per `vae_encode_next` call."""
+    kinds; for Animate, `reference_latents` (B, s + z, 1, h, w) (the character image letterboxed, its latents after
+    a mask of ones: the first latent frame of every segment's `condition`, runtime/animate.py). `chunk_frames` is
+    the pixel frames per `vae_encode_next` call."""
     b = g.batch
     out: dict[str, np.ndarray] = {}
     if kind.image_encoder:  # CLIP on both images at once; FLF2V's DiT sees their tokens side by side
         pixels = images.clip_pixels([first, *([last] if last is not None else [])], image_processor)
         (hidden,) = _outputs(call("image_encoder")(pixels))
         out["image_embeds"] = np.tile(host(hidden).astype(np.float32), (b, 1, 1))  # diffusers: .repeat(b, 1, 1)
+    if kind.animate:  # the character image, letterboxed, as one latent frame before the segment's, mask all ones
+        latents = encode_video(images.letterbox_pixels(first, g.width, g.height)[:, None], call, host, chunk_frames)
+        ones = np.ones((1, g.temporal_scale, *latents.shape[2:]), np.float32)
+        out["reference_latents"] = np.repeat(np.concatenate([ones, latents], axis=1), b, axis=0)
+        return out
     frames = [images.vae_pixels(first, g.width, g.height)]
     if last is not None:
         frames.append(images.vae_pixels(last, g.width, g.height))
@@ -174,13 +181,11 @@ def text_mode(kind: Kind, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.nd
 
 def after_loop(kind: Kind, extras: dict[str, np.ndarray], latents: np.ndarray, g: Geometry) -> np.ndarray:
     """The denoised latents as the VAE decodes them: a "first_frame" kind's image frame is the image's latent again
-    (diffusers' TI2V); VACE's reference image frames are dropped."""
+    (diffusers' TI2V); the reference images' frames (VACE, Animate) are dropped."""
     if kind.conditioning == "first_frame":
         cond, mask = extras["condition"], extras["mask"]
         return (1.0 - mask) * cond + mask * latents
-    if kind.vace:
-        return latents[:, :, g.reference_images:]
-    return latents
+    return latents[:, :, g.reference_images:]  # VACE's reference images, Animate's reference image
 
 
 def _outputs(result: Any) -> list[Any]:

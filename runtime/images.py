@@ -115,6 +115,22 @@ def vae_pixels(image: Image.Image, width: int, height: int, resample: str = "lan
     return np.ascontiguousarray((2.0 * x - 1.0).transpose(2, 0, 1))
 
 
+def letterbox_pixels(image: Image.Image, width: int, height: int) -> np.ndarray:
+    """diffusers' `WanAnimateImageProcessor(resample="bilinear", fill_color=0).preprocess(image, height, width,
+    resize_mode="fill")[0]` for an RGB PIL image (Wan-Animate's reference image): resized with Pillow's bilinear
+    filter to fit width x height keeping its aspect, centred on black; float32 (3, H, W) in [-1, 1]."""
+    if image.mode != "RGB":
+        raise ValueError(f"letterbox_pixels needs an RGB image, got mode {image.mode}; use load_image first")
+    wide = width / height < image.width / image.height
+    fit_w = width if wide else image.width * height // image.height
+    fit_h = height if not wide else image.height * width // image.width
+    canvas = Image.new("RGB", (width, height), color=0)
+    canvas.paste(image.resize((fit_w, fit_h), resample=Image.Resampling.BILINEAR),
+                 box=(width // 2 - fit_w // 2, height // 2 - fit_h // 2))
+    x = np.asarray(canvas).astype(np.float32) / 255.0
+    return np.ascontiguousarray((2.0 * x - 1.0).transpose(2, 0, 1))
+
+
 def _size_dict(value: Any, key: str, square: bool) -> dict[str, int]:
     """transformers' `get_size_dict`, for the forms CLIP configs use: an int is a square (crop_size) or the
     shortest edge (size, as CLIP has default_to_square=False); a pair is (height, width)."""

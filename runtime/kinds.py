@@ -14,6 +14,7 @@ configurations map onto these rows:
     i2v-moe     WanImageToVideoPipeline + transformer_2, no CLIP    Wan2.2-I2V-A14B
     vace        WanVACEPipeline (WanVACETransformer3DModel)         Wan2.1-VACE-1.3B / -14B
     vace-moe    WanVACEPipeline + transformer_2 + boundary_ratio    Wan2.2-VACE-Fun-A14B
+    animate     WanAnimatePipeline (WanAnimateTransformer3DModel)   Wan2.2-Animate-14B (segments: runtime/animate.py)
 
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
@@ -30,6 +31,10 @@ Conditioning modes (how the image enters the denoising loop):
   parts, and of the reference images before them, with the mask folded 8x8 onto the latent grid) and
   `control_scale` (one per VACE layer); the noisy latents have one leading frame per reference image,
   dropped before the decode (runtime/conditioning.py builds `control` as diffusers' WanVACEPipeline does).
+- "animate": a segment of Wan-Animate: the DiT input is [latents (z), mask (4), condition (z)] as "concat", over one
+  more latent frame first (the reference image's, dropped before the decode), plus the segment's `pose` latents and
+  the face video's `motion` vectors (from the `face_motion` program, for the prompt and, with guidance, for an
+  all-black face); the segment loop around it is runtime/animate.py.
 """
 
 from __future__ import annotations
@@ -51,14 +56,17 @@ class Kind:
     image: str  # "none" | "optional" | "required"
     last_image: bool  # takes (and needs) a last frame too (FLF2V)
     image_encoder: bool  # CLIP vision stage feeding the DiT's image cross-attention
-    conditioning: str  # "none" | "concat" | "first_frame" | "vace" (see the module docstring)
+    conditioning: str  # "none" | "concat" | "first_frame" | "vace" | "animate" (see the module docstring)
     fps: int = 16  # the family's native frame rate (the mp4 default)
+    steps: int = 50  # the run defaults of diffusers' pipeline (__call__'s num_inference_steps, guidance_scale)
+    guidance: float = 5.0
     video: str = "none"  # "none" | "optional": a control video (with a mask and reference images)
 
     @property
     def vae_encode(self) -> str:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
-        return {"none": "", "first_frame": "image", "concat": "video", "vace": "video"}[self.conditioning]
+        return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
+                "animate": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -80,7 +88,18 @@ class Kind:
     def conditioning_inputs(self) -> tuple[str, ...]:
         """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
-                "vace": ("control", "control_scale")}[self.conditioning]
+                "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion")}[self.conditioning]
+
+    @property
+    def animate(self) -> bool:
+        """Wan-Animate: segments of a pose-driven video (runtime/animate.py), each one bundle shape."""
+        return self.conditioning == "animate"
+
+    @property
+    def block_loop(self) -> bool:
+        """The DiT's steps run as a block loop (export/denoise_blocks.py). Not Animate's: its face adapters run
+        between the blocks (after every 5th), not in them, so each of its steps is one program."""
+        return not self.animate
 
     @property
     def kv_inputs(self) -> tuple[str, ...]:
@@ -103,6 +122,8 @@ class Kind:
         out = [text_encoder_program(n, max_sequence_length) for n in text_lengths(max_sequence_length)]
         if self.image_encoder:
             out.append("image_encoder")
+        if self.animate:
+            out.append("face_motion")
         encode = "video" if video_to_video else self.vae_encode
         if encode:
             out.append("vae_encode_first")
@@ -134,6 +155,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          image_encoder=False, conditioning="vace", video="optional"),
     Kind("vace-moe", "Wan 2.2 VACE, two experts", experts=2, image="none", last_image=False, image_encoder=False,
          conditioning="vace", video="optional"),
+    Kind("animate", "Wan 2.2 Animate (a character from an image, moved by pose and face videos)", experts=1,
+         image="required", last_image=False, image_encoder=True, conditioning="animate", fps=30, steps=20,
+         guidance=1.0),
 )}
 
 
@@ -212,7 +236,7 @@ def shape_scope(program: str) -> str:
     program = base_program(program)
     if program.startswith(("vae_encode", "vae_decode")):
         return "size"
-    if denoise_variant(program) is not None:
+    if denoise_variant(program) is not None or program == "face_motion":
         return "video"
     return ""
 
@@ -249,7 +273,7 @@ def pipeline_stage(program: str) -> str:
     program = base_program(program)
     if program.startswith("vae_decode"):
         return "decode"
-    if denoise_variant(program) is not None or is_cross_kv(program):
+    if denoise_variant(program) is not None or is_cross_kv(program) or program == "face_motion":
         return "denoise"
     return "encode"
 

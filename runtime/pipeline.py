@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
+from . import animate, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -113,6 +113,17 @@ class Pipeline:
     def _at(self, program: str, g: mf.Geometry) -> str:
         """The name of program `program` (as kinds names it) for shape `g`."""
         return self.manifest.program_for(program, g)
+
+    def call(self, program: str, g: mf.Geometry) -> Callable[..., Any]:
+        """Program `program` (as kinds names it) of shape `g`, compiled, its weights bound: fn(*inputs) in call
+        order (runtime/signatures.py)."""
+        return self.bundle.call(self._at(program, g))
+
+    def encode_video(self, pixels: np.ndarray, g: mf.Geometry) -> np.ndarray:
+        """VAE latents (1, z, T, h, w), normalised, of a video (F, 3, H, W) in [-1, 1] at shape `g`'s size (what
+        runtime/video_input.video_pixels gives)."""
+        return conditioning.encode_video(np.ascontiguousarray(np.asarray(pixels, np.float32).transpose(1, 0, 2, 3)),
+                                         lambda name: self.call(name, g), fetch, self._encode_chunk(g))
 
     def prepare(self, magcache: bool = True) -> None:
         """Place every weight and compile every program of every shape (and the noise sampler) now, so the first
@@ -643,7 +654,11 @@ class Pipeline:
                  sigmas: Sequence[float] | None = None, video: VideoInput | None = None,
                  mask: VideoInput | None = None, reference_images: Sequence[ImageInput] | None = None,
                  conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
-                 noise: np.ndarray | None = None) -> np.ndarray:
+                 noise: np.ndarray | None = None, pose_video: VideoInput | None = None,
+                 face_video: VideoInput | None = None, mode: str = "animate",
+                 background_video: VideoInput | None = None, mask_video: VideoInput | None = None,
+                 prev_segment_frames: int = 1,
+                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
         `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
@@ -654,8 +669,24 @@ class Pipeline:
         images), a list of PIL images or an (F, H, W, 3) array (runtime/video_input.py).
         `low_memory`: drop each stage's weights once the run is past it (`unload_before`), as a process making one
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
-        again."""
+        again. `on_step(done, total)` follows the denoising steps.
+
+        Wan-Animate bundles (runtime/animate.py): `image` (the character), `pose_video` and `face_video`, `mode`
+        ("animate", or "replace" with `background_video` and `mask_video`), `prev_segment_frames` (1 or 5); the video
+        has the pose video's frame count, made in segments of the shape's frames; `latents` is one initial noise per
+        segment (a list), or the first segment's."""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
+        animated = {"pose_video": pose_video, "face_video": face_video, "background_video": background_video,
+                    "mask_video": mask_video}
+        if self.kind.animate:
+            kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
+            return animate.generate(self, prompt, negative_prompt, image, pose_video, face_video, mode,
+                                    background_video, mask_video, prev_segment_frames, seed, steps, guidance,
+                                    flow_shift, guidance_2, sampler, sigmas, latents, progress, magcache, size,
+                                    frames, low_memory, on_step)
+        given = [k for k, v in animated.items() if v is not None]
+        if given:
+            raise UserError(f"this bundle is {self.kind.title}: {given[0]} is for Wan-Animate models")
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)
         g = self.denoise_shape({}, latents, size, frames) if latents is not None else \
@@ -669,9 +700,17 @@ class Pipeline:
                                                               "reference_images": media["references"]}))
             if low_memory:
                 self.unload_before("denoise")
+            step_done = None
+            if on_step is not None:
+                s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
+                total = len(s.plan(self.scheduler_config, self.start_step(embeds, s, strength)).timesteps)
+
+                def step_done(i: int) -> None:
+                    on_step(i + 1, total)
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
                                magcache=magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
-                               conditioning_scale=conditioning_scale, strength=strength, noise=noise)
+                               conditioning_scale=conditioning_scale, strength=strength, noise=noise,
+                               on_step=step_done)
             if low_memory:
                 self.unload_before("decode")
             return self.decode(out)

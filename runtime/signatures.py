@@ -32,6 +32,8 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
         order = CallOrder(("ids", "mask"), ("embeds",))
     elif name == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))
+    elif name == "face_motion":
+        order = CallOrder(("face",), ("motion",))
     elif kinds.is_cross_kv(name):
         order = CallOrder(kind.kv_inputs, ("kv",))
     elif (variant := kinds.denoise_variant(name)) is not None:

@@ -205,6 +205,20 @@ def test_bad_input_is_a_400_naming_the_field(tiny_server: Server, fields: dict, 
     assert e.value.body["param"] == param
 
 
+def test_more_sigmas_than_steps_are_refused_as_sent(tiny_server: Server) -> None:
+    """The document's maxItems counts the items sent, so the server does too: repeated levels are not merged first
+    (schemathesis sent three equal sigmas to a two-step server and had them accepted)."""
+    import httpx
+
+    r = httpx.post(tiny_server.url + "/v1/videos", json={"prompt": "a cat", "sigmas": [0.5] * 1001},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sigmas", r.text
+    assert r.json()["error"]["message"] == "sigmas: 1001 levels, more than this server runs (1000 steps)"
+    with pytest.raises(openai.BadRequestError) as e:  # the form's comma-separated text
+        tiny_server.client().videos.create(prompt="a cat", extra_body={"sigmas": ",".join(["0.5"] * 1001)})
+    assert e.value.body["param"] == "sigmas"
+
+
 def test_a_sampler_and_sigmas_make_the_clis_video(tiny_server: Server, shapes_bundle: Path, tmp_path: Path) -> None:
     """`sampler` and `sigmas` (a JSON list; in the SDK's form, comma-separated text) run as the CLI's flags do."""
     import httpx

@@ -1,7 +1,8 @@
 """Programs for TPU slices built on this CPU-only machine from an architecture name alone.
 
 Real sizes: Wan2.1-14B at 720p / 81 frames for tpu-v6e-8, 1.3B at 480p for a 4-chip v6e, and the
-Wan 2.2 / image-to-video family (two experts, TI2V-5B at 121 frames, I2V with CLIP on 16 chips).
+Wan 2.2 / image-to-video family (two experts, TI2V-5B at 121 frames, I2V with CLIP on 16 chips), VACE and
+Wan-Animate.
 Nothing runs here (no TPU); the tests read what was baked into the programs.
 """
 
@@ -34,6 +35,8 @@ CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --
     "i2v-a14b-480p-v6e-8": ("wan2.2-i2v-a14b", "480p", "tpu-v6e-8", 8, 40, 81, "fp8"),
     # VACE: its VACE blocks beside the 40, programs for 0 and 1 reference images
     "vace-14b-720p-v6e-8": ("wan2.1-vace-14b", "720p", "tpu-v6e-8", 8, 40, 81, "int8"),
+    # Wan-Animate: one 77-frame segment, the face_motion program, face adapters split and quantized like attention
+    "animate-14b-720p-v6e-8": ("wan2.2-animate-14b", "720p", "tpu-v6e-8", 8, 40, 77, "int8"),
 }
 EXPORT_SECONDS = 120  # the issue's bound for one of these exports on this 2-core machine
 
@@ -94,9 +97,10 @@ def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path
     assert m.source["config"]["transformer"]["num_attention_heads"] == heads
     assert m.geometry.frames == frames
     assert sorted(m.programs) == sorted(m.stages())
-    # every denoise variant attends (in the kernel) but MagCache's cached step, which skips the blocks
+    # every denoise variant attends (in the kernel) but MagCache's cached step, which skips the blocks (Animate's
+    # still runs its face adapters' attention, as diffusers' does)
     denoise = {kinds.denoise_program(e, v) for e in range(kind.experts) for v in kinds.DENOISE_VARIANTS
-               if v != "cached"}
+               if v != "cached" or kind.animate}
     for name, spec in m.programs.items():
         # a denoise step attends in its block program (run once per block), not in its head and tail (but a VACE
         # model's head, which runs the VACE blocks)
@@ -147,6 +151,17 @@ def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> No
     assert vace.programs["cross_kv"].outputs["kv"].shape[0] == 40 + 8  # the VACE blocks' keys and values too
     assert vace.programs["vae_encode_next"].inputs["pixels"].shape == (1, 3, 4, 720, 1280)
     assert "vace_blocks.0.proj_in.weight" in vace.weights["transformer"].tensors
+    animate = mf.read(tpu_bundles["animate-14b-720p-v6e-8"])
+    assert (animate.kind, animate.defaults.steps, animate.defaults.guidance, animate.defaults.fps) == \
+        ("animate", 20, 1.0, 30)
+    assert [g.reference_images for g in animate.shapes] == [1]  # the character image's latent frame
+    step = animate.programs["denoise_step"]
+    assert step.blocks is None and step.inputs["state"].shape[3] == 21 and step.inputs["condition"].shape[1:3] == \
+        (20, 21)
+    assert step.inputs["pose"].shape == (1, 16, 20, 90, 160) and step.inputs["motion"].shape == (2, 1, 20, 5, 5120)
+    assert animate.programs["face_motion"].inputs["face"].shape == (1, 3, 77, 512, 512)
+    assert animate.programs["face_motion"].outputs["motion"].shape == (1, 20, 5, 5120)
+    assert animate.weights["transformer"].quantized.get("face_adapter.7.to_out.weight") == "int8"
 
 
 # MagCache's cached step skips the blocks and what only feeds them: the text and image
@@ -157,6 +172,9 @@ BLOCKS_ONLY = ("blocks.", "condition_embedder.text_embedder.", "condition_embedd
 # leaves every other weight of the DiT unused.
 CROSS_KV = re.compile(r"((vace_)?blocks\.\d+\.attn2\.(to_k|to_v|norm_k|add_k_proj|add_v_proj|norm_added_k)"
                       r"|condition_embedder\.(text|image)_embedder)\.")
+# What Wan-Animate's face_motion program runs once per segment (export/face_motion.py): the steps leave these unused,
+# and it leaves every other weight unused.
+FACE_MOTION = ("motion_encoder.", "face_encoder.")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -181,8 +199,9 @@ def check_weight_shardings(bundle: Path) -> None:
                   and not (name.startswith("vae_") and t.startswith(other[name.split("_")[1]]))
                   and not (name == "image_encoder" and t.startswith((f"encoder.layers.{layers - 1}.", "post_")))
                   and not (name.endswith("_cached") and t.startswith(BLOCKS_ONLY))
-                  and not (name.startswith("denoise_step") and CROSS_KV.match(t))
-                  and not (name.startswith("cross_kv") and not CROSS_KV.match(t))]
+                  and not (name.startswith("denoise_step") and (CROSS_KV.match(t) or t.startswith(FACE_MOTION)))
+                  and not (name.startswith("cross_kv") and not CROSS_KV.match(t))
+                  and not (name == "face_motion" and not t.startswith(FACE_MOTION))]
         assert len(unused) <= 4, (name, unused)  # vae_decode_first skips the temporal upsamplers
         table = sharding.partitions(FAMILIES[prog.weights], wf.tensors, wf.quantized, m.target.mesh)
         for tensor, spec in specs.items():
@@ -193,6 +212,9 @@ def check_weight_shardings(bundle: Path) -> None:
             assert want == partition_spec(wf.partition[tensor]), (name, tensor)
             assert spec in (want, None), (name, tensor)
     dit = _program_specs(bundle, m.programs["denoise_step"])
+    if "face_adapter.0.to_q.weight" in dit:  # Wan-Animate's face adapters: as the blocks' attention
+        assert dit["face_adapter.0.to_q.weight"] == PartitionSpec("tp")
+        assert dit["face_adapter.0.to_out.weight"] == PartitionSpec(None, "tp")
     if "vace_blocks.0.attn1.to_q.weight" in dit:  # a VACE model's VACE blocks: the blocks' rules
         assert dit["vace_blocks.0.attn1.to_q.weight"] == PartitionSpec("tp")
         assert dit["vace_blocks.0.ffn.net.2.weight"] == PartitionSpec(None, "tp")

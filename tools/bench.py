@@ -26,6 +26,7 @@ sys.path.insert(2 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pa
                 str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (  # noqa: E402
+    animate,
     e2e,
     eager,
     export_time,
@@ -51,6 +52,7 @@ MEASURES = {  # name: (module, the question it answers)
     "load": (load, "load against servers already running (loopback)"),
     "speedups": (speedups, "CFG-free steps and MagCache: speed-up and fidelity"),
     "vace": (vace, "what VACE's branch costs a denoising step, against text-to-video at the same shape"),
+    "animate": (animate, "Wan-Animate: a video of 1, 2 and 4 segments, and where a segment's time goes"),
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),

@@ -100,6 +100,8 @@ class Model(_Strict):
     last_image: bool
     video: bool = Field(description="takes a control or source video (input_reference)")
     mask: bool = Field(description="takes a mask video (VACE)")
+    animate: bool = Field(description="Wan-Animate: takes pose_video and face_video (and for replace "
+                                      "background_video, mask_video); the video is as long as the pose video")
     reference_images: list[int] = Field(description="the counts of reference images it serves (VACE; [0] else)")
     video_to_video: bool
     experts: int

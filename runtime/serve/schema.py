@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import kinds, samplers
+from .. import animate, kinds, samplers
 from ..errors import UserError
 from ..manifest import Defaults, Manifest
 from ..settings import MAX_SEED
@@ -74,8 +74,14 @@ class Offer:
                    video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts))
 
     @property
-    def takes_video(self) -> bool:
+    def video_reference(self) -> bool:
+        """input_reference is a video (VACE's control video, video-to-video's source), not an image."""
         return self.kind.video != "none" or self.video_to_video
+
+    @property
+    def takes_video(self) -> bool:
+        """Some upload is a video (input_reference, or Wan-Animate's pose and face videos)."""
+        return self.video_reference or self.kind.animate
 
     @property
     def max_body_bytes(self) -> int:
@@ -183,6 +189,9 @@ class Field:
             if number is None or not math.isfinite(number) or (lo is not None and number < lo) or \
                     (hi is not None and number > hi) or (self.exclusive_minimum and number == lo):
                 raise ApiError(400, f"{self.name} must be {self.what(offer)}, got {value!r}", self.name)
+            if self.enum is not None and number not in self.enum(offer):
+                raise ApiError(400, self.mismatch.format(value=value, choices=", ".join(map(str, self.enum(offer)))),
+                               self.name)
             return number
         if self.type == "numbers":  # a form's text: comma-separated decimals (_SIGMAS_TEXT)
             text = sigmas_text(_bound(self.max_items, offer))
@@ -194,10 +203,10 @@ class Field:
                     for v in items):
                 what = "comma-separated decimals" if form else "a list of numbers"
                 raise ApiError(400, f"{self.name} must be {what} in {lo:g}..{hi:g}, got {value!r}", self.name)
-            levels = sorted({float(v) for v in items}, reverse=True)  # the distinct levels, run from the highest
-            if len(levels) > _bound(self.max_items, offer):
-                raise ApiError(400, f"{self.name}: {len(levels)} levels, more than this server runs", self.name)
-            return levels
+            if len(items) > _bound(self.max_items, offer):  # counted as sent, as the document's maxItems counts
+                raise ApiError(400, f"{self.name}: {len(items)} levels, more than this server runs "
+                                    f"({_bound(self.max_items, offer)} steps)", self.name)
+            return sorted({float(v) for v in items}, reverse=True)  # the distinct levels, run from the highest
         if not isinstance(value, str):
             raise ApiError(400, f"{self.name} must be a string, got {value!r}", self.name)
         if self.max_length is not None and len(value) > self.max_length:
@@ -259,12 +268,13 @@ FIELDS: tuple[Field, ...] = (
           mismatch="size {value!r} is not one this bundle makes: it makes {choices}"),
     Field("seconds", "string", "The duration, one of those GET /v1/models lists for the size (frames at the "
           "bundle's frame rate); left out, the default shape's frame count. `fps` sets the rate the mp4 plays at, "
-          "not the frame count."),
-    Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), or the "
-          "control or source video (VACE and video-to-video bundles; mp4, webm, gif): its frame count picks the "
-          "video's frames.",
+          "not the frame count.", offered=lambda o: not o.kind.animate,
+          refusal=lambda o: "a Wan-Animate video is as long as its pose video: leave seconds out"),
+    Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), the "
+          "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles; mp4, "
+          "webm, gif): its frame count picks the video's frames.",
           offered=lambda o: o.kind.image != "none" or o.takes_video,
-          accepts=lambda o: "video" if o.takes_video else "image",
+          accepts=lambda o: "video" if o.video_reference else "image",
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image or video (export an image-to-video, "
                             "VACE or video-to-video model for that)"),
     Field("last_image", "file", "The last frame (first-last-frame bundles).", offered=lambda o: o.kind.last_image,
@@ -277,6 +287,26 @@ FIELDS: tuple[Field, ...] = (
           "counts GET /v1/models lists).", offered=lambda o: o.kind.reference_images and max(o.reference_counts) > 0,
           repeat=lambda o: max(o.reference_counts),
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no reference images"),
+    Field("pose_video", "file", "Wan-Animate: the rendered pose video the character follows (mp4, webm, gif); the "
+          "video is as long, made in segments of the size's frames.", offered=lambda o: o.kind.animate,
+          accepts=lambda o: "video", refusal=lambda o: f"pose_video is for Wan-Animate; this bundle is {o.kind.title}"),
+    Field("face_video", "file", "Wan-Animate: the face crops, one per pose frame.", offered=lambda o: o.kind.animate,
+          accepts=lambda o: "video", refusal=lambda o: f"face_video is for Wan-Animate; this bundle is {o.kind.title}"),
+    Field("mode", "string", "Wan-Animate: animate (the character moves as the pose video says) or replace (the "
+          "character takes the place of the person in background_video, where mask_video is white).", param="mode",
+          enum=lambda o: list(animate.MODES), default=lambda o: "animate", offered=lambda o: o.kind.animate,
+          mismatch="mode {value!r} is not one of {choices}",
+          refusal=lambda o: f"mode is for Wan-Animate; this bundle is {o.kind.title}"),
+    Field("background_video", "file", "Wan-Animate, replace: the video without the person, one frame per pose frame.",
+          offered=lambda o: o.kind.animate, accepts=lambda o: "video",
+          refusal=lambda o: f"background_video is for Wan-Animate; this bundle is {o.kind.title}"),
+    Field("mask_video", "file", "Wan-Animate, replace: white where the character goes, one frame per pose frame.",
+          offered=lambda o: o.kind.animate, accepts=lambda o: "video",
+          refusal=lambda o: f"mask_video is for Wan-Animate; this bundle is {o.kind.title}"),
+    Field("prev_segment_frames", "integer", "Wan-Animate: the frames each segment takes from the one before.",
+          param="prev_segment_frames", enum=lambda o: list(animate.PREV_FRAMES), default=lambda o: 1,
+          offered=lambda o: o.kind.animate, mismatch="prev_segment_frames must be one of {choices}, got {value!r}",
+          refusal=lambda o: f"prev_segment_frames is for Wan-Animate; this bundle is {o.kind.title}"),
     Field("conditioning_scale", "number", "VACE: the scale of the VACE branch's hints.", param="conditioning_scale",
           minimum=0, maximum=100, default=lambda o: 1.0, offered=lambda o: o.kind.vace,
           refusal=lambda o: f"conditioning_scale is for VACE models; this bundle is {o.kind.title}"),
@@ -317,11 +347,18 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     required = [f.name for f in fields if f.required]
     if offer.kind.image == "required":  # the first image, and the last for first-last-frame bundles
         required += ["input_reference"] + (["last_image"] if offer.kind.last_image else [])
+    if offer.kind.animate:
+        required += ["pose_video", "face_video"]
     schema = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields}, "required": required,
               "additionalProperties": False,
               # sigmas set the step count: a request gives one or the other
               "not": {"required": ["sigmas", "num_inference_steps"]}}
-    schema.update(_seconds_schema(offer, schema["properties"]["seconds"]))
+    if "seconds" in schema["properties"]:
+        schema.update(_seconds_schema(offer, schema["properties"]["seconds"]))
+    if offer.kind.animate:  # replace takes a background and a mask video, animate neither
+        replace = {"properties": {"mode": {"const": "replace"}}, "required": ["mode"]}
+        schema["if"], schema["then"] = replace, {"required": ["background_video", "mask_video"]}
+        schema["else"] = {"not": {"anyOf": [{"required": ["background_video"]}, {"required": ["mask_video"]}]}}
     return schema
 
 
@@ -353,7 +390,9 @@ class Body:
 # A job's media, by the role each file plays in the run (Job.images keeps them in this order; params["media"] names
 # them): jobs queued before videos carry no names, their files being [first image, last image].
 MEDIA_ROLES = {"input_reference": "image", "last_image": "last_image", "mask": "mask",
-               "reference_image": "reference_image"}
+               "reference_image": "reference_image", "pose_video": "pose_video", "face_video": "face_video",
+               "background_video": "background_video", "mask_video": "mask_video"}
+VIDEO_ROLES = ("video", "mask", "pose_video", "face_video", "background_video", "mask_video")
 
 
 def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None) -> dict[str, Any]:
@@ -384,8 +423,21 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
     media = _check_media(body.files, offer)
     params["frames"] = _frames(params["size"], values.get("seconds"), offer, media.get("video_frames"))
     params["seconds"] = seconds_of(params["frames"], params["fps"])  # the mp4's duration, at the request's fps
+    segments = None
+    if offer.kind.animate:  # as long as the pose video, in segments of the shape's frames
+        params["mode"] = params.get("mode") or "animate"
+        params["prev_segment_frames"] = params.get("prev_segment_frames") or 1
+        try:
+            animate.check_counts(params["mode"], *(media.get(f"{n}_frames") for n in
+                                                   ("pose_video", "face_video", "background_video", "mask_video")))
+            segments = animate.segments(media["pose_video_frames"], params["frames"], params["prev_segment_frames"])
+        except animate.InputError as e:
+            raise ApiError(400, str(e), e.field) from None
+        except UserError as e:
+            raise ApiError(400, str(e), "pose_video" if "pose video" in str(e) else "prev_segment_frames") from None
+        params["seconds"] = seconds_of(segments.frames, params["fps"])
     params["magcache"] = magcache
-    params["media"] = [MEDIA_ROLES[name] if not (name == "input_reference" and offer.takes_video) else "video"
+    params["media"] = [MEDIA_ROLES[name] if not (name == "input_reference" and offer.video_reference) else "video"
                        for name in FILE_FIELDS for _ in body.files.get(name, [])]
     if "mask" in body.files and "input_reference" in body.files and media["mask_frames"] != media["video_frames"]:
         raise ApiError(400, f"mask has {media['mask_frames']} frames, the video {media['video_frames']}: give one "
@@ -412,6 +464,10 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
     if s.steps > offer.max_steps:
         raise ApiError(400, f"{s.steps} steps are more than this server runs ({offer.max_steps})",
                        "sigmas" if "sigmas" in values else "num_inference_steps")
+    if segments is not None and segments.count * s.steps > offer.max_steps:  # a job's steps, every segment's
+        raise ApiError(400, f"{segments.count} segments of {s.steps} steps are {segments.count * s.steps} steps, more "
+                            f"than this server runs ({offer.max_steps}): a shorter pose video or fewer steps",
+                       "pose_video")
     if offer.video_to_video and "input_reference" in body.files:
         if samplers.start_step(s.steps, params["strength"] or 0.8) >= s.steps:
             raise ApiError(400, f"strength {params['strength'] or 0.8:g} of {s.steps} steps runs no step: raise the "
@@ -446,7 +502,7 @@ def _check_media(files: dict[str, list[bytes]], offer: Offer) -> dict[str, Any]:
     """Check every uploaded file (images decode, videos decode and count their frames); returns what the other
     checks need: the video's and the mask's frame counts and sizes."""
     out: dict[str, Any] = {}
-    if not offer.takes_video:
+    if not offer.video_reference:
         first, last = (files.get(n, [None])[0] for n in ("input_reference", "last_image"))
         try:
             kinds.check_images(offer.kind, first, last)

@@ -30,6 +30,28 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     media = media_of(params, image_bytes)
     s = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"],
                       params.get("sampler"), params.get("sigmas"))
+    magcache = MagCache(**params["magcache"]) if params.get("magcache") else None
+    last = [time.perf_counter()]
+
+    def steps_done(done: int, total: int) -> None:
+        now = time.perf_counter()
+        on_step_time(now - last[0])
+        last[0] = now
+        on_progress(min(99, int(100 * done / total)))
+
+    if pipe.kind.animate:  # every segment: runtime/animate.py
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
+                               pose_video=media.get("pose_video"), face_video=media.get("face_video"),
+                               mode=params.get("mode") or "animate", background_video=media.get("background_video"),
+                               mask_video=media.get("mask_video"),
+                               prev_segment_frames=params.get("prev_segment_frames") or 1, seed=s.seed, steps=s.steps,
+                               guidance=s.guidance, flow_shift=s.flow_shift, sampler=s.sampler, sigmas=s.sigmas,
+                               progress=False, magcache=magcache, size=params.get("size"), frames=params.get("frames"),
+                               on_step=steps_done)
+        on_stage("decode")
+        if video is not None:
+            write_video(frames[0], video, fps=params["fps"])
+        return
     strength = params.get("strength")
     run = {"conditioning_scale": params.get("conditioning_scale"), "strength": strength}
     if media.get("video") is not None and pipe.manifest.video_to_video:
@@ -43,16 +65,9 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     embeds = pipe.encode(params["prompt"], params["negative_prompt"], media.get("image"), media.get("last_image"),
                          **shape, **{k: media[k] for k in ("video", "mask", "reference_images") if k in media})
     on_stage("encode")
-    last = [time.perf_counter()]
-
-    def step_done(i: int) -> None:
-        now = time.perf_counter()
-        on_step_time(now - last[0])
-        last[0] = now
-        on_progress(min(99, int(100 * (i + 1) / steps)))
-
-    magcache = MagCache(**params["magcache"]) if params.get("magcache") else None
-    latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=False, on_step=step_done,
+    last[0] = time.perf_counter()
+    latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=False,
+                           on_step=lambda i: steps_done(i + 1, steps),
                            guidance_2=s.guidance_2, magcache=magcache, sampler=s.sampler, sigmas=s.sigmas,
                            **{k: v for k, v in run.items() if v is not None}, **shape)
     on_stage("denoise")
@@ -68,12 +83,12 @@ def media_of(params: dict[str, Any], files: list[bytes]) -> dict[str, Any]:
     videos name none: their files are the first image, then the last."""
     from PIL import Image
 
-    from .schema import read_video_bytes
+    from .schema import VIDEO_ROLES, read_video_bytes
 
     roles = params.get("media") or ["image", "last_image"][: len(files)]
     out: dict[str, Any] = {}
     for role, data in zip(roles, files, strict=True):
-        if role in ("video", "mask"):
+        if role in VIDEO_ROLES:
             out[role] = read_video_bytes(data, role)
         elif role == "reference_image":
             out.setdefault("reference_images", []).append(Image.open(io.BytesIO(data)))

@@ -41,6 +41,20 @@ def _spec_vace_1_3b() -> dict[str, Any]:
     return {**_spec_1_3b(), "transformer": dict(ARCHITECTURES["wan2.1-vace-1.3b"]["transformer"]), "pipeline": "vace"}
 
 
+def _spec_animate_1_3b() -> dict[str, Any]:
+    """Wan2.2-Animate-14B's parts at the 1.3B's widths (there is no 1.3B Animate): the 1.3B DiT's 30 blocks with
+    Animate's 36-channel input, pose embedding, real-size motion encoder (512x512 faces), face encoder and face
+    adapters (every 5th block), CLIP cross-attention; a 1-layer CLIP of ViT-H's width; the real VAE."""
+    from export.architectures import ARCHITECTURES
+
+    animate, small = ARCHITECTURES["wan2.2-animate-14b"], ARCHITECTURES["wan2.1-t2v-1.3b"]["transformer"]
+    transformer = {**animate["transformer"], **{k: small[k] for k in ("num_attention_heads", "attention_head_dim",
+                                                                       "ffn_dim", "num_layers")}}
+    transformer["added_kv_proj_dim"] = transformer["num_attention_heads"] * transformer["attention_head_dim"]
+    return {**_spec_1_3b(), "transformer": transformer, "pipeline": "animate",
+            "image_encoder": {**animate["image_encoder"], "num_hidden_layers": 1}}
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and a shape that a benchmark runs, built once under --work (a diffusers checkpoint, then bundles)."""
@@ -66,6 +80,8 @@ WORKLOADS = {w.name: w for w in (
              _spec_1_3b, 128, 128, 9),
     Workload("vace-1.3b", "the 1.3b workload as Wan2.1-VACE-1.3B: its 15 VACE blocks beside the 30 blocks",
              _spec_vace_1_3b, 128, 128, 9),
+    Workload("animate-1.3b", "Wan2.2-Animate's parts at the 1.3b workload's widths (512x512 faces), a 1-layer CLIP "
+             "ViT-H; 9-frame segments", _spec_animate_1_3b, 128, 128, 9),
 )}
 
 

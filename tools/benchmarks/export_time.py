@@ -26,6 +26,9 @@ MODELS = {
     "A14B from names": ("wan2.2-t2v-a14b", 1280, 720, 81, 49, ["--no-weights"], ("cpu", "cpu-8", *ACCELERATORS)),
     # DiT programs for 0 and 1 reference images (--reference-images' default), so twice the 14B's
     "VACE-14B from names": ("wan2.1-vace-14b", 1280, 720, 81, 49, ["--no-weights"], ("cpu", "cpu-8", *ACCELERATORS)),
+    # one 77-frame segment (diffusers' default), its steps one program each (no block loop), the face_motion program
+    "Animate-14B from names": ("wan2.2-animate-14b", 1280, 720, 77, 45, ["--no-weights"],
+                               ("cpu", "cpu-8", *ACCELERATORS)),
 }
 TARGETS = ("cpu", "cpu-8", *ACCELERATORS)
 SHAPES = (("tiny", "cpu"), ("14B from names", "tpu-v6e-8"))

@@ -75,6 +75,10 @@ function showModel(card) {
   $("strength-field").hidden = !card.video_to_video;
   $("conditioning-field").hidden = !card.mask;
   $("image-field").hidden = card.image === "none";
+  $("image-label").textContent = card.animate ? "Character image" : "Image (first frame)";
+  $("animate-fields").hidden = !card.animate;
+  $("pose-video").required = $("face-video").required = Boolean(card.animate);
+  $("duration-field").hidden = Boolean(card.animate); // as long as the pose video
   $("image").required = card.image === "required";
   $("last-image-field").hidden = !card.last_image;
   $("last-image").required = card.last_image;
@@ -106,8 +110,13 @@ async function generate(event) {
     prompt: $("prompt").value,
     negative_prompt: $("negative-prompt").value,
     size: $("size").value,
-    seconds: $("duration").value,
   };
+  if (model.animate) {
+    fields.mode = $("mode").value;
+    fields.prev_segment_frames = Number($("prev-frames").value);
+  } else {
+    fields.seconds = $("duration").value;
+  }
   const numbers = { num_inference_steps: "steps", guidance_scale: "guidance", seed: "seed" };
   if (model.experts > 1) numbers.guidance_scale_2 = "guidance-2";
   if (model.video_to_video) numbers.strength = "strength";
@@ -124,6 +133,12 @@ async function generate(event) {
   // files: the first frame or the video go in input_reference
   const files = [["input_reference", $("image")], ["input_reference", $("video")], ["last_image", $("last-image")],
     ["mask", $("mask")], ...[...$("references").files].map((f) => ["reference_image", { files: [f] }])];
+  if (model.animate) {
+    files.push(["pose_video", $("pose-video")], ["face_video", $("face-video")]);
+    if ($("mode").value === "replace") {
+      files.push(["background_video", $("background-video")], ["mask_video", $("mask-video")]);
+    }
+  }
   const withFiles = files.some(([, input]) => input.files.length);
   let options;
   if (withFiles || sigmas !== "") {
@@ -231,6 +246,10 @@ function stopPolling() {
 document.addEventListener("DOMContentLoaded", () => {
   $("generate").addEventListener("submit", generate);
   $("size").addEventListener("change", fillDurations);
+  $("mode").addEventListener("change", () => {
+    $("replace-fields").hidden = $("mode").value !== "replace";
+    $("background-video").required = $("mask-video").required = $("mode").value === "replace";
+  });
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
     sessionStorage.setItem(KEY, $("api-key").value);
