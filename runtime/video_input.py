@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,11 @@ def _read_path(path: Path, what: str) -> list[Image.Image]:
 
     frames = []
     try:
-        with imageio.get_reader(str(path)) as reader:
+        with warnings.catch_warnings():
+            # imageio-ffmpeg forks ffmpeg and execs at once; JAX's fork-with-threads warning doesn't apply.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            reader = imageio.get_reader(str(path))
+        with reader:
             for frame in reader:
                 frames.append(_rgb(np.asarray(frame)))
                 if len(frames) > MAX_FRAMES:
