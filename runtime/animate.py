@@ -224,7 +224,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
 
     pipe.start_loading(True, seed, steps, guidance, flow_shift, guidance_2, magcache, prompt, negative_prompt,
                        g.size, g.frames, sampler, sigmas)
-    run = len(s.plan(pipe.scheduler_config).timesteps)
+    run = pipe.steps_run({}, s)
     total = run * seg.count
     bar = tqdm(total=total, desc="animating", unit="step", disable=not progress or not is_primary())
     try:

@@ -519,6 +519,11 @@ class Pipeline:
             raise UserError(f"strength {strength:g} of {s.steps} steps runs no step: raise the strength or the steps")
         return start
 
+    def steps_run(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None = None) -> int:
+        """The denoising steps a run of `s` takes: the schedule's from start_step on (video-to-video runs only the
+        last ones), what progress counts."""
+        return len(s.plan(self.scheduler_config, self.start_step(embeds, s, strength)).timesteps)
+
     def _video_latents(self, embeds: dict[str, Any], g: mf.Geometry) -> np.ndarray:
         value = np.asarray(embeds["video_latents"], np.float32)
         if value.shape != g.latent_shape:
@@ -702,8 +707,8 @@ class Pipeline:
                 self.unload_before("denoise")
             step_done = None
             if on_step is not None:
-                s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
-                total = len(s.plan(self.scheduler_config, self.start_step(embeds, s, strength)).timesteps)
+                total = self.steps_run(embeds, self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler,
+                                                             sigmas), strength)
 
                 def step_done(i: int) -> None:
                     on_step(i + 1, total)

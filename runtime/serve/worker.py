@@ -52,19 +52,15 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         if video is not None:
             write_video(frames[0], video, fps=params["fps"])
         return
-    strength = params.get("strength")
-    run = {"conditioning_scale": params.get("conditioning_scale"), "strength": strength}
-    if media.get("video") is not None and pipe.manifest.video_to_video:
-        from ..samplers import start_step
-
-        steps = s.steps - start_step(s.steps, 0.8 if strength is None else strength)  # what video-to-video runs
-    else:
-        steps, run["strength"] = s.steps, None
+    run = {"conditioning_scale": params.get("conditioning_scale"),
+           "strength": params.get("strength") if media.get("video") is not None and pipe.manifest.video_to_video
+           else None}
     # Jobs queued before bundles had several shapes carry their size but no frames: the default shape's.
     shape = {"size": params.get("size"), "frames": params.get("frames")}
     embeds = pipe.encode(params["prompt"], params["negative_prompt"], media.get("image"), media.get("last_image"),
                          **shape, **{k: media[k] for k in ("video", "mask", "reference_images") if k in media})
     on_stage("encode")
+    steps = pipe.steps_run(embeds, s, run["strength"])  # what progress counts: video-to-video runs the last ones
     last[0] = time.perf_counter()
     latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=False,
                            on_step=lambda i: steps_done(i + 1, steps),
