@@ -12,6 +12,7 @@
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
+    python -m runtime fit     BUNDLE [--hbm GIB]   # a TPU bundle: compile it for its slice here, does it fit HBM?
     python -m runtime serve   BUNDLE [--port 8000] [--api-key KEY]   # the OpenAI videos API
 """
 
@@ -241,6 +242,20 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warm", parents=[common], help="compile every program into the compilation cache "
                                                        "(no weights loaded, nothing run)")
     _bundle_arg(w)
+    f = sub.add_parser("fit", help="compile every program of a TPU bundle with XLA's TPU compiler here (libtpu; no TPU "
+                                   "needed) and check its per-device peak against the chips' HBM")
+    _bundle_arg(f)
+    f.add_argument("--hbm", type=float, default=None, metavar="GIB",
+                   help="HBM per chip to fit in, e.g. less than the chip's to leave headroom (default: the chip's: "
+                        "v4 32, v5e 16, v5p 95, v6e 32)")
+    f.add_argument("--mode", choices=("serve", "generate"), default="serve",
+                   help="how the runtime will hold the bundle: serve (a server or the Python API: every stage "
+                        "resident) or generate (one `runtime generate`: each stage's weights dropped after it) "
+                        "(default: serve)")
+    f.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    f.add_argument("--record", action="store_true",
+                   help="also write the report into the bundle (fit.json), which `inspect` and `verify` show")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     s = sub.add_parser("serve", parents=[common], help="serve the OpenAI videos API (POST /v1/videos ...) "
                                                        "with a durable job queue")
     _bundle_arg(s)
@@ -305,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         return inspect(args)
+    if args.command == "fit":
+        return fit(args)
     from . import cache, distributed
     from . import intermediates as im
     from .files import check_writable
@@ -450,6 +467,30 @@ def inspect(args: argparse.Namespace) -> int:
 
     s = summarize(args.bundle, mf.read(args.bundle))
     print(json.dumps(s, indent=1) if args.json else format_text(s))
+    return 0
+
+
+def fit(args: argparse.Namespace) -> int:
+    """Exit 0: the bundle fits; 1: it does not (one line says where and what would help); 2: bad input."""
+    from . import fit as fitting
+
+    fitting.check_libtpu()  # before anything is read or compiled (no compilation cache: see fit.fit)
+    log = logging.getLogger("runtime")
+
+    def progress(c: fitting.Compiled) -> None:
+        log.info("compiled %s in %.1f s", c.key, c.compile_s)
+
+    try:
+        report = fitting.fit(args.bundle, args.hbm, args.mode, on_compiled=progress)
+        print(json.dumps(report.to_json(), indent=1) if args.json else fitting.format_text(report))
+        if args.record:
+            from . import manifest as mf
+
+            log.info("wrote %s", fitting.record(report, mf.read(args.bundle).bundle_id))
+        fitting.check(report)
+    except fitting.DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -31,6 +31,7 @@ from benchmarks import (  # noqa: E402
     eager,
     export_time,
     fewsteps,
+    fit,
     load,
     quantize,
     ready,
@@ -56,6 +57,7 @@ MEASURES = {  # name: (module, the question it answers)
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
+    "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
 }
 
 
