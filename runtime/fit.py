@@ -27,7 +27,7 @@ import resource
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,11 +221,12 @@ def memo_key(ref: mf.FileRef, topology: str) -> str:
 
 
 def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None = None,
-                   memo: dict[str, dict[str, Any]] | None = None, topology: str = "") -> list[Compiled]:
+                   memo: dict[str, dict[str, Any]] | None = None, topology: str = "",
+                   only: Collection[str] | None = None) -> list[Compiled]:
     """Compile each program file of `bundle` (a runtime.bundle.Bundle over a compile-only mesh) once, in manifest
     order. DoesNotFit where the compiler refuses one (out of HBM, a kernel's VMEM), with its own message. `memo`
     (memo_key -> Compiled fields) gives the figures of files compiled before, by their bytes, and takes the new ones
-    (tools/bench.py fit: bundles that share their text encoder or VAE programs)."""
+    (tools/bench.py fit: bundles that share their text encoder or VAE programs). `only`: these programs alone."""
     import jax
 
     from . import signatures
@@ -235,6 +236,8 @@ def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None =
     done: set[str] = set()
     out = []
     for name, spec in m.programs.items():
+        if only is not None and name not in only:
+            continue
         for part in spec.parts:
             ref = spec.blocks.file(part) if part else mf.FileRef(spec.file, spec.sha256)
             if ref.file in done:
