@@ -476,10 +476,11 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[s
     """The denoise programs' conditioning inputs (kind.conditioning_inputs) and their shapes (`module`: the DiT, for
     a VACE model's control channels and layers)."""
     b, z, t, h, w = geo.latent_shape
+    mask = geo.temporal_scale if kind.channel_condition == "mask+latents" else 0
     shapes = {
-        # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents
-        "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning in ("concat", "animate")
-        else (b, z, 1, h, w),
+        # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents; Lucy Edit:
+        # the source video's latents; "first_frame": the image's latent frame
+        "condition": (b, mask + z, t, h, w) if kind.channel_condition else (b, z, 1, h, w),
         "mask": (1, 1, t, h, w),
     }
     if kind.vace:  # the inactive and reactive latents and the folded mask, for the reference images' frames too

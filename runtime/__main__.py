@@ -9,6 +9,7 @@
     python -m runtime calibrate BUNDLE --prompt "..." --steps 50 --out ratios.json   # MagCache's ratios
     python -m runtime generate BUNDLE --prompt "..." --magcache ratios.json --out fast.mp4
     python -m runtime generate BUNDLE --prompt "..." --image me.png --pose-video p.mp4 --face-video f.mp4 --out a.mp4
+    python -m runtime generate BUNDLE --video source.mp4 --prompt "make it snow" --out edited.mp4   # Lucy Edit
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
@@ -100,11 +101,13 @@ def _image_args(p: argparse.ArgumentParser) -> None:
 
 
 def _video_args(p: argparse.ArgumentParser, inputs: bool = True, settings: bool = True) -> None:
-    v = p.add_argument_group("video in (VACE bundles; video-to-video bundles take --video and --strength)")
+    v = p.add_argument_group("video in (VACE bundles; video-to-video bundles take --video and --strength; Lucy Edit "
+                             "bundles need --video, the video the prompt's instruction edits)")
     if inputs:
         v.add_argument("--video", type=Path, default=None,
-                       help="control or source video: mp4, webm, gif or a folder of numbered images; its frame count "
-                            "picks the shape's frames, its frames are resized to the shape's size")
+                       help="control, source or (Lucy Edit) edited video: mp4, webm, gif or a folder of numbered "
+                            "images; its frame count picks the shape's frames, its frames are resized to the shape's "
+                            "size")
         v.add_argument("--mask", type=Path, default=None, help="VACE: mask video, white = generate, black = keep "
                                                                "(default: generate everything)")
         v.add_argument("--reference-image", type=Path, action="append", default=None, metavar="FILE",
@@ -377,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
     if args.command != "decode":  # a shape the bundle lacks fails before any work
         from . import kinds
 
-        kinds.check_videos(pipe.kind, pipe.manifest.video_to_video, videos.get("video"), videos.get("mask"),
-                           videos.get("reference_images"))
+        if hasattr(args, "video"):  # the commands that read the inputs (denoise takes them encoded)
+            kinds.check_videos(pipe.kind, pipe.manifest.video_to_video, videos.get("video"), videos.get("mask"),
+                               videos.get("reference_images"))
         pipe.shape_for_videos(shape["size"], shape["frames"], videos.get("video"), videos.get("reference_images"))
     latent_shapes = [s.latent_shape for s in pipe.manifest.shapes]
     log = logging.getLogger("runtime")

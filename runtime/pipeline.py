@@ -308,8 +308,10 @@ class Pipeline:
         out = {}
         for name in self.kind.denoise_extras:
             if name not in embeds:
+                what = "video inputs" if self.kind.vace else "video (--video / video=...)" \
+                    if self.kind.video == "required" else "image (--image / image=...)"
                 raise UserError(f"this bundle is {self.kind.title}: the embeddings have no {name!r}; encode with "
-                                f"the {'video inputs' if self.kind.vace else 'image (--image / image=...)'}")
+                                f"the {what}")
             value = np.asarray(embeds[name], np.float32)
             if value.shape != specs[name].shape:
                 also = f" at {g.size} x {g.frames} frames (encode with the same size and frames)" \
@@ -509,7 +511,8 @@ class Pipeline:
         one `strength` picks (samplers.start_step); UserError for a bad strength or one that leaves no step."""
         if "video_latents" not in embeds:
             if strength is not None:
-                raise UserError("strength is for video-to-video (a video given to encode)")
+                raise UserError("strength is for video-to-video: a source video given to a bundle exported with "
+                                "--video-to-video")
             return 0
         strength = 0.8 if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:

@@ -71,7 +71,8 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
 
 def _takes(kind: kinds.Kind) -> str:
     image = {"none": "", "optional": " [+ image]", "required": " + image"}[kind.image]
-    return "prompt" + image + (" + last image" if kind.last_image else "")
+    video = {"none": "", "optional": " [+ video]", "required": " + video"}[kind.video]
+    return "prompt" + image + (" + last image" if kind.last_image else "") + video
 
 
 def format_text(s: dict[str, Any]) -> str:

@@ -205,6 +205,9 @@ KIND_CASES = {
     "flf2v": ("tiny-flf2v", "64x32,32x64", 9, 16),  # and a portrait shape
     "i2v-moe": ("tiny-i2v-moe", "32x48", 9, 16),
 }
+# Lucy Edit (issue 51): a source video's latents beside the noise; the video's frame count picks one of its shapes
+# (9 frames, the default, or 5).
+KIND_CASES["lucy-edit"] = ("tiny-lucy-edit", "64x32", "9,5", 16)
 
 
 @pytest.fixture(scope="session")

@@ -271,8 +271,9 @@ FIELDS: tuple[Field, ...] = (
           "not the frame count.", offered=lambda o: not o.kind.animate,
           refusal=lambda o: "a Wan-Animate video is as long as its pose video: leave seconds out"),
     Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), the "
-          "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles; mp4, "
-          "webm, gif): its frame count picks the video's frames.",
+          "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles, and "
+          "Lucy Edit bundles, which need it: the video to edit; mp4, webm, gif): its frame count picks the video's "
+          "frames.",
           offered=lambda o: o.kind.image != "none" or o.takes_video,
           accepts=lambda o: "video" if o.video_reference else "image",
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image or video (export an image-to-video, "
@@ -347,6 +348,8 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     required = [f.name for f in fields if f.required]
     if offer.kind.image == "required":  # the first image, and the last for first-last-frame bundles
         required += ["input_reference"] + (["last_image"] if offer.kind.last_image else [])
+    if offer.kind.video == "required":  # the source video (Lucy Edit)
+        required += ["input_reference"]
     if offer.kind.animate:
         required += ["pose_video", "face_video"]
     schema = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields}, "required": required,
@@ -502,6 +505,12 @@ def _check_media(files: dict[str, list[bytes]], offer: Offer) -> dict[str, Any]:
     """Check every uploaded file (images decode, videos decode and count their frames); returns what the other
     checks need: the video's and the mask's frame counts and sizes."""
     out: dict[str, Any] = {}
+    if offer.kind.video == "required" and "input_reference" not in files:  # Lucy Edit: the video to edit
+        try:
+            kinds.check_videos(offer.kind, offer.video_to_video, None, None, None)
+        except UserError as e:
+            raise ApiError(400, str(e).replace("--video FILE / video=...", "input_reference"),
+                           "input_reference") from None
     if not offer.video_reference:
         first, last = (files.get(n, [None])[0] for n in ("input_reference", "last_image"))
         try:
