@@ -18,7 +18,6 @@ its FLOPs leave out the flash kernel's attention.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import math
@@ -220,6 +219,32 @@ def memo_key(ref: mf.FileRef, topology: str) -> str:
     return f"{ref.sha256}:{topology}:libtpu-{libtpu}"
 
 
+COMPILER_FIELDS = ("compile_s", "compile_cpu_s", "argument_bytes", "temp_bytes", "output_bytes", "code_bytes",
+                   "alias_bytes", "flops", "bytes_accessed", "kernel")  # what compiling a file tells (the memo's)
+
+
+def _compile(bundle: Any, name: str, part: str, target: str) -> dict[str, Any]:
+    """Compile program `name`'s `part` and read what the compiler says of it (COMPILER_FIELDS)."""
+    import jax
+
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    try:
+        compiled = bundle.compile(name, part)
+    except jax.errors.JaxRuntimeError as e:
+        where = name if not part else f"{name} ({part})"
+        hint = " (lower --flash-block-q/-kv at export)" if "vmem" in str(e).lower() else ""
+        raise DoesNotFit(f"the TPU compiler refuses {where} for {target}: {one_line(e)}{hint}") from None
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
+    return {"compile_s": seconds, "compile_cpu_s": cpu, "argument_bytes": int(mem.argument_size_in_bytes),
+            "temp_bytes": int(mem.temp_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
+            "code_bytes": int(mem.generated_code_size_in_bytes), "alias_bytes": int(mem.alias_size_in_bytes),
+            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "kernel": MOSAIC in compiled.as_text()}
+
+
 def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None = None,
                    memo: dict[str, dict[str, Any]] | None = None, topology: str = "",
                    only: Collection[str] | None = None) -> list[Compiled]:
@@ -227,8 +252,6 @@ def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None =
     order. DoesNotFit where the compiler refuses one (out of HBM, a kernel's VMEM), with its own message. `memo`
     (memo_key -> Compiled fields) gives the figures of files compiled before, by their bytes, and takes the new ones
     (tools/bench.py fit: bundles that share their text encoder or VAE programs). `only`: these programs alone."""
-    import jax
-
     from . import signatures
 
     m = bundle.manifest
@@ -244,30 +267,15 @@ def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None =
                 continue
             done.add(ref.file)
             key = name if not part else Path(ref.file).stem
-            known = None if memo is None else memo.get(memo_key(ref, topology))
-            if known is not None:
-                c = Compiled(**{**known, "key": key, "program": name, "part": part,
-                                "inputs": [tuple(i) for i in known["inputs"]]})
-                out.append(c)
-                if on_compiled is not None:
-                    on_compiled(c)
-                continue
             exp = bundle.program(name, part)
-            t0, cpu0 = time.perf_counter(), _cpu_seconds()
-            try:
-                compiled = bundle.compile(name, part)
-            except jax.errors.JaxRuntimeError as e:
-                where = name if not part else f"{name} ({part})"
-                hint = " (lower --flash-block-q/-kv at export)" if "vmem" in str(e).lower() else ""
-                raise DoesNotFit(f"the TPU compiler refuses {where} for {m.target.name}: {one_line(e)}{hint}") \
-                    from None
-            seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
-            mem = compiled.memory_analysis()
-            cost = compiled.cost_analysis()
-            cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
-            (w_avals, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
-            (w_shard, *shards), _ = jax.tree.unflatten(exp.in_tree, exp.in_shardings_jax(bundle.mesh))
-            weight_bytes = sum(_nbytes(w_avals[k], w_shard[k]) for k in w_avals)
+            stats = None if memo is None else memo.get(memo_key(ref, topology))
+            if stats is None:
+                stats = _compile(bundle, name, part, m.target.name)
+                if memo is not None:
+                    memo[memo_key(ref, topology)] = stats
+            # the arguments as this bundle places them (the weights a program does not use have no sharding in it,
+            # but are passed as the group's layout says)
+            weights, *avals = bundle._abstract(name, part)
             names = list(signatures.call_order(name, kind, spec).inputs) if not part else []
             if not part and spec.blocks is not None:
                 names = [n for n in names if n not in spec.blocks.shared]
@@ -275,18 +283,12 @@ def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None =
                 shared = list(spec.blocks.shared)
                 names = [""] * (len(avals) - len(shared) - 1) + shared + ["layer"]
             names += [""] * (len(avals) - len(names))
-            inputs = [(n, _nbytes(a, s)) for n, a, s in zip(names, avals, shards)]
-            outputs = [_nbytes(a, s) for a, s in zip(exp.out_avals, exp.out_shardings_jax(bundle.mesh))]
-            c = Compiled(key=key, program=name, part=part, compile_s=seconds, compile_cpu_s=cpu,
-                         argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
-                         output_bytes=int(mem.output_size_in_bytes),
-                         code_bytes=int(mem.generated_code_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
-                         flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                         weight_bytes=weight_bytes, inputs=inputs, outputs=outputs,
-                         traced_kernel=MOSAIC in exp.mlir_module(), kernel=MOSAIC in compiled.as_text())
+            c = Compiled(key=key, program=name, part=part, **{k: stats[k] for k in COMPILER_FIELDS},
+                         weight_bytes=sum(_nbytes(a, a.sharding) for a in weights.values()),
+                         inputs=[(n, _nbytes(a, a.sharding)) for n, a in zip(names, avals)],
+                         outputs=[_nbytes(a, s) for a, s in zip(exp.out_avals, exp.out_shardings_jax(bundle.mesh))],
+                         traced_kernel=MOSAIC in exp.mlir_module())
             out.append(c)
-            if memo is not None:
-                memo[memo_key(ref, topology)] = dataclasses.asdict(c)
             if on_compiled is not None:
                 on_compiled(c)
     return out
