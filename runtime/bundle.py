@@ -328,6 +328,9 @@ class Bundle:
                     continue
                 wanted = self.loras.get(group) or {}
                 names = set(applied) | set(wanted)
+                if not names:  # neither set changes this group
+                    self._applied[group] = (self.lora_key, wanted)
+                    continue
                 wf = self.manifest.weights[group]
                 scales = {n: wf.scale_of(n) for n in wf.quantized}
                 try:

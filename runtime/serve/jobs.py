@@ -286,9 +286,9 @@ class JobStore:
         tenants' turns each counted as passed over once; in the claim's transaction."""
         from .loras import pick, set_key
 
-        rows = tx.all("SELECT id, tenant, params, lora_passed FROM jobs AS j WHERE status = 'queued' ORDER BY "
-                      "COALESCE((SELECT served FROM wan_aot_tenants WHERE name = j.tenant), 0), seq"
-                      f"{self.db.skip_locked}")
+        rows = _turns(tx.all("SELECT id, tenant, params, lora_passed FROM jobs AS j WHERE status = 'queued' ORDER BY "
+                             "COALESCE((SELECT served FROM wan_aot_tenants WHERE name = j.tenant), 0), seq"
+                             f"{self.db.skip_locked}"))
         i = pick([(set_key(json.loads(params).get("lora")), int(passed)) for _, _, params, passed in rows], prefer,
                  passes)
         if i > 0:
@@ -319,6 +319,17 @@ def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None 
     if isinstance(storage, Directory) and queue is None:  # one server owns the directory: left by a crash of it
         storage.remove_partials()
     return JobStore(open_database(queue, jobs_dir), storage, lease)
+
+
+def _turns(rows: list[tuple]) -> list[tuple]:
+    """Queued jobs (id, tenant, ...), ordered by their tenant's turn then age, in the order claims would take them if no
+    job came in: every tenant's oldest in turn, then every tenant's second, and so on (each claim sends its tenant to
+    the back of the turns)."""
+    by_tenant: dict[str, list[tuple]] = {}
+    for row in rows:
+        by_tenant.setdefault(row[1], []).append(row)
+    queues = list(by_tenant.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
 def _check_room(tx: Any, tenant: str, queue_size: int, tenant_queue_size: int | None) -> None:

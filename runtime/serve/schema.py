@@ -29,7 +29,7 @@ from .. import animate, kinds, samplers
 from ..errors import UserError
 from ..manifest import Defaults, Manifest
 from ..settings import MAX_SEED
-from . import loras
+from . import loras as lora_api
 from .errors import ApiError
 
 MAX_BODY_BYTES = 32 << 20  # a request (form fields and images)
@@ -67,11 +67,11 @@ class Offer:
     video_to_video: bool = False  # a text-to-video bundle that takes a source video (Manifest.video_to_video)
     reference_counts: tuple[int, ...] = (0,)  # VACE: the counts of reference images its programs serve
     loras: tuple[Any, ...] = ()  # the LoRA adapters offered (--lora-dir), runtime.lora.Adapter each
-    max_loras: int = loras.MAX_LORAS  # the most adapters one request may name (--max-loras)
+    max_loras: int = lora_api.MAX_LORAS  # the most adapters one request may name (--max-loras)
 
     @classmethod
     def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS, adapters: tuple[Any, ...] = (),
-           max_loras: int = loras.MAX_LORAS) -> Offer:
+           max_loras: int = lora_api.MAX_LORAS) -> Offer:
         return cls(models=tuple(dict.fromkeys((name, manifest.bundle_id))),
                    shapes=tuple(dict.fromkeys((g.size, g.frames) for g in manifest.shapes)),
                    kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
@@ -157,7 +157,7 @@ class Field:
     def schema(self, offer: Offer, form: bool) -> dict[str, Any]:
         """The field's JSON Schema in the request body of a JSON (form=False) or multipart (form=True) request."""
         if self.type == "loras":
-            return loras.schema(offer, form, self.description)
+            return lora_api.schema(offer, form, self.description)
         if self.type == "file":
             media = self.accepts(offer)
             if form:
@@ -192,7 +192,7 @@ class Field:
         """The value, checked against the field's type, limits and enum (a form field's text is read as JSON would
         read it); an ApiError(400) naming the field otherwise."""
         if self.type == "loras":
-            return loras.check(value, offer, form)
+            return lora_api.check(value, offer, form)
         if self.type in ("integer", "number"):
             number = _number(value, self.type == "integer", form)
             lo, hi = self.bounds(offer)
@@ -659,7 +659,7 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_byte
         form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=max_part_bytes)
         fields = {}
         for name, value in form.multi_items():
-            if loras.form_part(name, value, fields):  # the openai SDK's lora[][name], lora[][scale] parts
+            if lora_api.form_part(name, value, fields):  # the openai SDK's lora[][name], lora[][scale] parts
                 continue
             if name.endswith("[]") and BY_NAME.get(name[:-2], FIELDS[0]).type == "numbers":
                 name = name[:-2]  # how the openai SDK sends a list in a form: one `sigmas[]` part an item
