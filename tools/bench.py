@@ -32,6 +32,7 @@ from benchmarks import (  # noqa: E402
     export_time,
     fewsteps,
     load,
+    lora,
     quantize,
     ready,
     roofline,
@@ -56,6 +57,7 @@ MEASURES = {  # name: (module, the question it answers)
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
+    "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
 }
 
 
