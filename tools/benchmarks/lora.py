@@ -10,6 +10,9 @@ placed again from the weight file, adapters read and placed); and the process's 
 mapped from files. The unmodified copy a switch merges from is the weight file's mapping: page cache, shared, costing
 no memory of the process's own.
 
+widths: the merge of a switch at the 1.3B's widths alone (its 300 block linears, bf16) on --device: each tensor
+placed from host memory and merged by the runtime's merge program, as a switch does (no bundle: runs on a GPU too).
+
 designs: the two designs the issue names, at the 1.3B's linear widths and --tokens tokens, as jitted JAX programs on
 --device: merging into the weights (chosen; a switch merges every tensor again from its unmodified copy, a step is the
 plain matmuls) against unmerged low-rank inputs (a switch places only A and B, but every step adds x A^T B^T beside
@@ -67,8 +70,8 @@ V6E = ("wan2.1-t2v-14b", "720p", 81, "tpu-v6e-8")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, repeats=3, workloads=("1.3b",), dtypes=("bf16",))
-    p.add_argument("--what", nargs="+", default=["switch", "designs", "v6e", "queue"],
-                   choices=["switch", "designs", "v6e", "queue"])
+    p.add_argument("--what", nargs="+", default=["switch", "widths", "designs", "v6e", "queue"],
+                   choices=["switch", "widths", "designs", "v6e", "queue"])
     p.add_argument("--rank", type=int, default=64, help="the adapters' rank (lightx2v's distill LoRAs: 64)")
     p.add_argument("--tokens", type=int, default=None,
                    help="designs: tokens per step (default 192 on cpu: the 1.3b workload's 128x128x9; 32760 on cuda: "
@@ -258,8 +261,10 @@ def _shard(shape: tuple[int, ...], spec: list[Any], mesh: dict[str, int]) -> tup
     return tuple(out)
 
 
-def v6e_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
-    """One device's share of the switch: tensors of the per-device shapes, placed from host memory and merged."""
+def merge_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
+    """A switch's weights on one device: bf16 tensors of the shapes given (`shapes`: [shape, count] pairs), placed from
+    host memory and merged with a rank-`rank` update each by the runtime's merge program (runtime/lora.py apply), as
+    Bundle.set_loras does; the median wall time. One host copy per distinct shape serves every tensor of that shape."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -269,17 +274,37 @@ def v6e_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     dev = jax.devices()[0]
     rep = NamedSharding(jax.sharding.Mesh(np.array([dev]), ("x",)), PartitionSpec())
     rng = np.random.default_rng(0)
-    shapes = [tuple(s) for s in a["shapes"]]
-    host_w = {f"t{i}": rng.standard_normal(s, np.float32).astype(jnp.bfloat16) for i, s in enumerate(shapes)}
-    updates = {f"t{i}": [lora.Update((rng.standard_normal((a["rank"], s[1]), np.float32) / np.sqrt(s[1])),
-                                     rng.standard_normal((s[0], a["rank"]), np.float32) * 1e-2, 1.0)]
-               for i, s in enumerate(shapes)}
+    host, updates, names = {}, {}, []
+    for shape, count in a["shapes"]:
+        shape = tuple(shape)
+        w = rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
+        up = lora.Update(rng.standard_normal((a["rank"], shape[1]), np.float32) / np.sqrt(shape[1]),
+                         rng.standard_normal((shape[0], a["rank"]), np.float32) * 1e-2, 1.0)
+        for _ in range(count):
+            name = f"t{len(names)}"
+            names.append(name)
+            host[name], updates[name] = w, [up]
 
     def switch() -> Any:
-        merged = lora.apply({k: jax.device_put(v, rep) for k, v in host_w.items()}, updates)
-        return jax.block_until_ready(list(merged.values()))
+        return list(lora.apply({k: jax.device_put(v, rep) for k, v in host.items()}, updates).values())
 
-    return {"seconds": _times({"switch": switch}, a["repeats"])["switch"], "device": str(dev.device_kind)}
+    return {"seconds": _times({"switch": switch}, a["repeats"])["switch"], "device": str(dev.device_kind),
+            "tensors": len(names), "bytes": sum(v.nbytes for v in host.values())}
+
+
+def widths_13b() -> list[list[Any]]:
+    """The 1.3B DiT's block linears (30 blocks): [shape, count] pairs."""
+    return [[[1536, 1536], 8 * 30], [[8960, 1536], 30], [[1536, 8960], 30]]
+
+
+def widths_table(a: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
+    r = spawn("lora:merge_child", {"shapes": widths_13b(), "rank": a.rank, "repeats": a.repeats}, device=a.device)
+    t = Table(f"a switch's merge at the 1.3B's widths on {r['device']} (rank {a.rank}, 300 block linears, bf16)",
+              ["tensors", "weights GB (host to device)", "s (median)", "GB/s of weights"])
+    t.add(r["tensors"], num(r["bytes"] / 1e9, 2), num(r["seconds"], 3), num(r["bytes"] / 1e9 / r["seconds"], 1))
+    t.notes.append("Each tensor placed from host memory (its unmodified copy) and merged by runtime/lora.py's program, "
+                   "as Bundle.set_loras does; the adapters' A and B placed too.")
+    return t, r
 
 
 def v6e_table(a: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
@@ -302,8 +327,11 @@ def v6e_table(a: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
     devices = math.prod(mesh.values())
     blocks = a.blocks or (40 if a.device == "cuda" else 2)
     first = [n for n in touched if n.startswith(tuple(f"blocks.{i}." for i in range(blocks)))]
-    r = spawn("lora:v6e_child", {"shapes": [per_device[n] for n in first], "rank": a.rank, "repeats": a.repeats},
-              device=a.device)
+    counts: dict[tuple[int, ...], int] = {}
+    for n in first:
+        counts[per_device[n]] = counts.get(per_device[n], 0) + 1
+    r = spawn("lora:merge_child", {"shapes": [[list(k), v] for k, v in counts.items()], "rank": a.rank,
+                                   "repeats": a.repeats}, device=a.device)
     scale = len(touched) / len(first)
     t = Table(f"one switch of the 14B on tpu-v6e-8 (dp=2, tp=4; bf16; rank {a.rank} on every block linear), per device",
               ["tensors changed", "weight bytes per device GB", "adapter bytes per device GB",
@@ -401,7 +429,8 @@ def run(a: argparse.Namespace) -> Report:
         for seed, name in enumerate("AB"):
             if not (lora_dir / f"{name}.safetensors").is_file():
                 write_adapter(bund, lora_dir / f"{name}.safetensors", seed, a.rank)
-    for what, make in (("switch", lambda: switch_table(a, bund, lora_dir)), ("designs", lambda: designs_table(a)),
+    for what, make in (("switch", lambda: switch_table(a, bund, lora_dir)), ("widths", lambda: widths_table(a)),
+                       ("designs", lambda: designs_table(a)),
                        ("v6e", lambda: v6e_table(a)), ("queue", lambda: queue_table(a, bund, lora_dir))):
         if what in a.what:
             log(f"measuring {what}")
