@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import adapters, compat, kinds, lora, signatures
+from . import adapters, compat, host_memory, kinds, lora, signatures
 from . import manifest as mf
 from . import weights as wio
 from .distributed import put
@@ -345,6 +345,8 @@ class Bundle:
                 self._versions[group] = self._versions.get(group, 0) + 1
                 tensors += len(names)
                 groups.append(group)
+        if groups:
+            host_memory.release_freed()  # the replaced tensors and the adapters' placed copies, back to the system
         took = time.perf_counter() - t0
         if groups:
             self.timings["lora switch"] = took

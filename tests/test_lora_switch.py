@@ -155,6 +155,13 @@ def test_the_server_switches_per_request(bf16_bundle: Path, bf16_loras: Path, bf
         assert {a["name"]: (a["experts"], a["tensors"]) for a in card["loras"]} == {
             "A": (["transformer"], 20), "B": (["transformer"], 16)}  # B: 2 blocks x self-attention q, k, v, o + biases
         assert {a["name"]: a["rank"] for a in card["loras"]} == {"A": 4, "B": 2}
+        body = httpx.get(server.url + "/openapi.json").json()["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+        listed = body["application/json"]["schema"]["properties"]["lora"]
+        assert listed["maxItems"] == 4 and listed["items"]["properties"]["name"]["enum"] == ["A", "B"]
+        assert "expert" not in listed["items"]["properties"]  # one expert
+        form = body["multipart/form-data"]["schema"]["properties"]["lora"]
+        assert form["type"] == "string" and form["contentSchema"] == {k: v for k, v in listed.items()
+                                                                       if k != "description"}
 
         def send(i: int, entries: list[tuple]) -> str:
             lora = [{"name": n, "scale": s} for n, s in entries]
