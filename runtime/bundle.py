@@ -333,9 +333,13 @@ class Bundle:
                     continue
                 wf = self.manifest.weights[group]
                 scales = {n: wf.scale_of(n) for n in wf.quantized}
-                try:
-                    fresh = self._sources[group].place(names | {scales[n] for n in names if n in scales})
-                    arrays.update(lora.apply(fresh, wanted, scales) if wanted else fresh)
+                try:  # one tensor at a time: a device holds one more unmerged and one more merged tensor at most
+                    for name in sorted(names):
+                        fresh = self._sources[group].place([name] + ([scales[name]] if name in scales else []))
+                        if name in wanted:
+                            lora.apply(fresh, {name: wanted[name]}, scales)
+                        arrays.update(fresh)
+                        del fresh
                 except BaseException:
                     # some tensors may hold the new set and some the old: the next switch merges all of both again
                     self._applied[group] = (_PARTIAL, {n: [] for n in names})

@@ -16,7 +16,12 @@ A quantized weight (export/quantize.py) is merged into its dequantized value, q 
 quantized again with new per-row scales, in the same program: the bundle's programs take it as
 they always do, and the cost is one more rounding (tests/test_quantize.py measures it against
 merging into the unquantized bundle). Applying the adapter unmerged would instead need programs
-with LoRA inputs, and a rank-r product per layer at every step.
+with LoRA inputs, and a rank-r product per layer at every step: measured on an H200 at the 1.3B's widths and 480p,
+1.44x the linears' time per step, more than a switch's merge after 2.3 steps (BENCHMARKS.md section 9).
+
+A pipeline switches sets between runs (runtime/adapters.py, Bundle.set_loras): the tensors either set changes are
+merged again, by `apply`, from their unmodified copy (the weight file's mapping), so the result is always a fresh
+load's, bit for bit.
 """
 
 from __future__ import annotations
@@ -238,13 +243,14 @@ def apply(arrays: dict[str, Any], updates: dict[str, list[Update]], scale_names:
           ) -> dict[str, Any]:
     """`arrays` (placed weights of one group) with the updates merged, each tensor keeping its sharding; a quantized
     tensor (a key of `scale_names`: tensor -> its scale, WeightFile.scale_of) is merged with its scale and both are
-    replaced."""
+    replaced. The tensors are replaced in `arrays` itself (returned), one at a time: a device holds the unmerged and
+    the merged copy of one tensor at once, not of all."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from .distributed import put
 
-    out = dict(arrays)
+    out = arrays
     for name, ups in updates.items():
         w = arrays[name]
         if not isinstance(w.sharding, NamedSharding):  # not expected: the bundle places with NamedShardings
