@@ -245,10 +245,11 @@ def test_bad_lora_input_is_a_400_before_anything_is_queued(tmp_path: Path) -> No
                [("lora[][name]", "A"), ("lora[][scale]", "9")],
                [("lora[][name]", "A"), ("lora[][name]", "B"), ("lora[][scale]", "1")],
                [("lora[][name]", "A"), ("lora[][scale]", "1"), ("lora[][expert]", "low")],
-               [("lora[][name]", "A"), ("lora", '[{"name": "B"}]')]]
+               [("lora[][name]", "A"), ("lora", '[{"name": "B"}]')], [("lora[]", "A")]]
     messages = ["lora[1].name 'C' is not an adapter", "lora[0].scale must be a finite number in -4..4, got '9'",
                 "lora: 2 lora[][name] fields but 1 lora[][scale]", "lora[][expert]: a form's grouped lora fields "
-                "cannot say which entry an expert belongs to", "lora is sent twice"]
+                "cannot say which entry an expert belongs to", "lora is sent twice",
+                "lora must be a list of {\"name\", \"scale\"} objects, not of plain values"]
     for parts, message in zip(grouped, messages, strict=True):
         r = client.post("/v1/videos", files=[("prompt", (None, "a")), *[(k, (None, v)) for k, v in parts]],
                         headers=full)

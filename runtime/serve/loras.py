@@ -69,6 +69,8 @@ class Grouped:
 
 def form_part(name: str, value: Any, fields: dict[str, Any]) -> bool:
     """Take a multipart part of the SDK's grouped form of `lora` into `fields` (True), or leave it (False)."""
+    if name == FIELD + "[]":  # what the SDK makes of a list of plain values: entries need a name and a scale
+        raise ApiError(400, "lora must be a list of {\"name\", \"scale\"} objects, not of plain values", FIELD)
     m = _GROUPED.fullmatch(name)
     if m is None:
         return False
