@@ -156,7 +156,7 @@ def test_the_page_offers_the_lora_adapters(browser, ui_server: Server) -> None:
     page.get_by_label("Prompt", exact=True).fill("a styled fox")
     page.get_by_label("Steps").fill("1")
     page.get_by_role("button", name="Generate").click()
-    job = page.locator("#jobs li").first
+    job = page.locator("#jobs li", has_text="a styled fox")
     sync_api.expect(job.locator("video")).to_have_count(1, timeout=120_000)
     assert "LoRA set subject@-0.5, switched to in" in ui_server.output()
     page.close()
