@@ -264,11 +264,12 @@ def test_bad_lora_input_is_a_400_before_anything_is_queued(tmp_path: Path) -> No
     ok = [client.post("/v1/videos", json={"prompt": "a", "lora": [{"name": "B", "scale": -4}]}, headers=some),
           client.post("/v1/videos", files=[("prompt", (None, "a")), ("lora[][name]", (None, "A")),
                                            ("lora[][name]", (None, "B")), ("lora[][scale]", (None, "0.5")),
-                                           ("lora[][scale]", (None, "1e0"))], headers=full)]
-    assert [r.status_code for r in ok] == [200, 200], [r.text for r in ok]
+                                           ("lora[][scale]", (None, "1e0"))], headers=full),
+          client.post("/v1/videos", files={"prompt": (None, "a"), "lora": (None, "")}, headers=full)]  # empty: none
+    assert [r.status_code for r in ok] == [200, 200, 200], [r.text for r in ok]
     jobs = [state.store.get(r.json()["id"]).params["lora"] for r in ok]
     assert jobs == [[{"name": "B", "scale": -4.0, "expert": None}],
-                    [{"name": "A", "scale": 0.5, "expert": None}, {"name": "B", "scale": 1.0, "expert": None}]]
+                    [{"name": "A", "scale": 0.5, "expert": None}, {"name": "B", "scale": 1.0, "expert": None}], []]
 
 
 def test_two_expert_entries_are_checked_against_the_adapter(tmp_path: Path) -> None:

@@ -91,6 +91,8 @@ def check(value: Any, offer: Any, form: bool) -> list[dict[str, Any]]:
     text = False
     if isinstance(value, Grouped):
         entries, text = value.entries(), True
+    elif isinstance(value, str) and form and not value.strip():
+        entries = []  # an empty form field (as a browser sends an input left empty): no adapter
     elif isinstance(value, str) and form:
         try:
             entries = json.loads(value)
@@ -150,8 +152,8 @@ def schema(offer: Any, form: bool, description: str) -> dict[str, Any]:
     listed = {"type": "array", "items": entry, "maxItems": offer.max_loras}
     if form:
         return {"type": "string", "contentMediaType": "application/json", "contentSchema": listed,
-                "description": description + " In a form: the list as JSON text (the openai SDK's grouped "
-                                             "lora[][name] and lora[][scale] fields are taken too)."}
+                "description": description + " In a form: the list as JSON text, empty for none (the openai SDK's "
+                                             "grouped lora[][name] and lora[][scale] fields are taken too)."}
     return {**listed, "description": description}
 
 
