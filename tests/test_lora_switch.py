@@ -7,8 +7,8 @@ same jobs, sent as JSON, as a form field of JSON and through the openai SDK's `e
 switches are counted, and a queue of A, B, A, B, A, B switches at most twice. Every bad `lora` is a 400 naming the
 field before anything is queued; an adapter that does not fit stops `serve` in one line.
 
-Adapters are written in the adapter layout (runtime/lora.py) from random numbers, one of them by `python -m export
---lora` from a Wan-format LoRA, as a user would convert theirs.
+Adapters are written in the adapter layout (runtime/lora.py) from random numbers; B is converted from a Wan-format
+LoRA by export/lora.py's `convert`, what `python -m export --lora` runs, as a user would convert theirs.
 """
 
 from __future__ import annotations
