@@ -317,6 +317,17 @@ def parser() -> argparse.ArgumentParser:
                         "the server exits with status 3 for its supervisor to restart it (default 600)")
     _magcache_args(s)  # the server's default for every job
     _lora_args(s)
+    lo = s.add_argument_group("LoRA adapters per request (see runtime/serve/README.md, \"LoRA adapters\")")
+    lo.add_argument("--lora-dir", type=Path, metavar="DIR",
+                    help="offer the adapters in DIR (made by `python -m export --lora ... --bundle BUNDLE`), by file "
+                         "name without .safetensors: a request's `lora` names them, and the replica switches its "
+                         "weights between jobs; each is checked against the bundle at start (--lora adapters apply "
+                         "to every job, before these)")
+    lo.add_argument("--max-loras", type=int, default=4, metavar="N",
+                    help="the most adapters one request may name (default 4)")
+    lo.add_argument("--lora-affinity-max", type=int, default=4, metavar="N",
+                    help="a replica takes a queued job of the LoRA set it holds before others, but no job waits for "
+                         "more than N others because of it (default 4; 0: strictly in turn)")
     return p
 
 
@@ -553,7 +564,18 @@ def serve(args: argparse.Namespace) -> int:
         if not (value > 0 and value < float("inf")):
             unit = "megabytes" if name == "max_body_mb" else "seconds"
             raise UserError(f"--{name.replace('_', '-')} {value} must be a number of {unit} > 0")
-    keys = Keys.load(args.api_keys, args.api_key or None)  # a bad key or file: one line, before anything starts
+    if args.max_loras < 1:
+        raise UserError(f"--max-loras {args.max_loras} must be >= 1")
+    if args.lora_affinity_max < 0:
+        raise UserError(f"--lora-affinity-max {args.lora_affinity_max} must be >= 0")
+    offered = {}
+    if args.lora_dir is not None:  # every adapter checked against the bundle: a misfit names its file, exit 2
+        from . import manifest as mf
+        from .adapters import scan
+
+        offered = scan(args.lora_dir, mf.read(args.bundle))
+    # a bad key or file: one line, before anything starts
+    keys = Keys.load(args.api_keys, args.api_key or None, frozenset(offered) if args.lora_dir is not None else None)
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -562,7 +584,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY) or "
                         "--api-keys FILE, or pass --insecure to serve without one")
     if not distributed.is_primary():  # processes 1..N-1 run process 0's jobs
-        pipe = load(args.bundle, loras=loras_from_args(args))
+        pipe = load(args.bundle, loras=loras_from_args(args), lora_dir=args.lora_dir)
         pipe.prepare(magcache=args.magcache is not None)
         return mh.follow(pipe)
     import jax
@@ -574,14 +596,17 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(bundle=args.bundle, keys=keys, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
-                        max_steps=args.max_steps, names=server_names(args.host, args.allowed_host), limits=limits)
+                        max_steps=args.max_steps, names=server_names(args.host, args.allowed_host), limits=limits,
+                        loras=tuple(offered.values()), max_loras=args.max_loras,
+                        lora_affinity_max=args.lora_affinity_max)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora
         from . import manifest as mf
 
         lora.read_all(loras, mf.read(args.bundle))
-    return run_server(settings, args.host, args.port, loader=lambda: load(args.bundle, loras=loras),
+    return run_server(settings, args.host, args.port,
+                      loader=lambda: load(args.bundle, loras=loras, lora_dir=args.lora_dir),
                       broadcast=mh.send if multi else None,
                       on_exit=(lambda: mh.send({"stop": True})) if multi else None)
 

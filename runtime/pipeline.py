@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import animate, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
+from . import adapters, animate, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -41,9 +41,13 @@ class Pipeline:
     (a shape the bundle lacks is a UserError listing those it has); `denoise` and `decode` take the shape of the
     latents they are given."""
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, loras: Sequence[adapters.LoraSpec] | None = None,
+                 named: dict[str, Any] | None = None) -> None:
         self.bundle = bundle
         self.manifest: mf.Manifest = bundle.manifest
+        # LoRA adapters: those the pipeline was loaded with, and those it offers by name (runtime/adapters.py)
+        self.base_loras: list[adapters.LoraSpec] = list(loras or [])
+        self.loras: dict[str, Any] = dict(named or {})  # name -> runtime.lora.Adapter
         self.geometry = self.manifest.geometry  # the default shape
         self.kind: Kind = kinds.get(self.manifest.kind)
         self._tokenizer: PromptTokenizer | None = None
@@ -52,6 +56,24 @@ class Pipeline:
     @property
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
+
+    def use_loras(self, loras: Sequence[adapters.LoraSpec]) -> dict[str, Any] | None:
+        """Make `loras` the LoRA set of the DiT's weights from now on: each (path or name, scale) or (path or name,
+        scale, expert), a name one of `loras`' (the adapters of `lora_dir`), `expert` "high" or "low" on two-expert
+        bundles (the adapter applied to that expert; default: the experts it was made for). `[]`: no adapter.
+
+        Nothing happens when the set is the one the weights hold; otherwise the tensors either set changes are merged
+        again from their unmodified weights (Bundle.set_loras), so the result equals a fresh `runtime.load(...,
+        loras=...)` of the set, bit for bit, whatever ran before. Weights not loaded yet load with it. Returns what
+        the switch did (its seconds, the tensors merged again), or None. UserError for a bad set, before any change."""
+        resolved = adapters.resolve(loras, self.manifest, self.loras)
+        key = adapters.key(resolved)
+        if key == self.bundle.lora_key:
+            return None
+        switched = self.bundle.set_loras(adapters.updates(resolved, self.manifest), key)
+        if switched is not None:
+            switched["set"] = adapters.describe_set(resolved)
+        return switched
 
     @property
     def shapes(self) -> list[tuple[int, int, int]]:
@@ -666,7 +688,8 @@ class Pipeline:
                  face_video: VideoInput | None = None, mode: str = "animate",
                  background_video: VideoInput | None = None, mask_video: VideoInput | None = None,
                  prev_segment_frames: int = 1,
-                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
+                 on_step: Callable[[int, int], None] | None = None,
+                 loras: Sequence[adapters.LoraSpec] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
         `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
@@ -682,8 +705,14 @@ class Pipeline:
         Wan-Animate bundles (runtime/animate.py): `image` (the character), `pose_video` and `face_video`, `mode`
         ("animate", or "replace" with `background_video` and `mask_video`), `prev_segment_frames` (1 or 5); the video
         has the pose video's frame count, made in segments of the shape's frames; `latents` is one initial noise per
-        segment (a list), or the first segment's."""
+        segment (a list), or the first segment's.
+
+        `loras`: the LoRA set this run and the later ones use (`use_loras`: (path or name, scale[, expert]) each; `[]`
+        none), switched to before anything runs; None keeps the set the weights hold (the one `runtime.load` was given,
+        or the last one a call named)."""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
+        if loras is not None:  # before any loop: whichever runs, its programs use the weights of this set
+            self.use_loras(loras)
         animated = {"pose_video": pose_video, "face_video": face_video, "background_video": background_video,
                     "mask_video": mask_video}
         if self.kind.animate:
@@ -745,7 +774,11 @@ def parse_size(size: Size) -> tuple[int, int]:
     raise UserError(f"size {size!r} is not WIDTHxHEIGHT (e.g. 1280x720)")
 
 
-def load(path: str | Path, verify: bool = True, loras: list[tuple[str | Path, float]] | None = None) -> Pipeline:
+def load(path: str | Path, verify: bool = True, loras: Sequence[adapters.LoraSpec] | None = None,
+         lora_dir: str | Path | None = None) -> Pipeline:
     """Open the bundle at `path` (every file checked against the manifest's sha256). `loras`: adapters made by
-    `python -m export --lora`, as (path, scale) pairs, merged into the DiT weights as they are placed."""
-    return Pipeline(open_bundle(path, verify=verify, loras=loras))
+    `python -m export --lora`, as (path, scale) pairs (or (path, scale, expert)), merged into the DiT weights as they
+    are placed. `lora_dir`: a directory of such adapters, each checked against the bundle now, that `loras` here and
+    in `generate(..., loras=...)` / `use_loras` may name (file name without .safetensors; `Pipeline.loras`)."""
+    named = adapters.scan(Path(lora_dir), mf.read(Path(path))) if lora_dir is not None else None
+    return Pipeline(open_bundle(path, verify=verify, loras=loras, named=named), loras, named)

@@ -33,6 +33,7 @@ from benchmarks import (  # noqa: E402
     fewsteps,
     fit,
     load,
+    lora,
     quantize,
     ready,
     roofline,
@@ -58,6 +59,7 @@ MEASURES = {  # name: (module, the question it answers)
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
     "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
+    "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
 }
 
 
