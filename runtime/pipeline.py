@@ -619,14 +619,18 @@ class Pipeline:
         g = self.shape_of_latents(latents.shape, video=True)
         host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
         first = self.bundle.call(self._at("vae_decode_first", g))
-        frames, caches = first(latents[:, :, 0:1])
-        chunks = [frames]
+        pending, caches = first(latents[:, :, 0:1])
+        chunks = []
         if g.latent_frames > 1:
             nxt = self.bundle.call(self._at("vae_decode_next", g))
             for t in range(1, g.latent_frames):
-                frames, caches = nxt(latents[:, :, t:t + 1], *caches)
-                chunks.append(frames)
-        return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
+                frames, caches = nxt(latents[:, :, t:t + 1], *caches)  # dispatched: runs while the last is copied
+                # Each chunk comes to the host as the next one runs, so the devices never hold more than two chunks'
+                # frames (they come back whole on every device: the 720p x 81 video is 0.9 GB each).
+                chunks.append(fetch(pending).astype(np.float32))
+                pending = frames
+        chunks.append(fetch(pending).astype(np.float32))
+        return np.concatenate(chunks, axis=1)
 
     def unload_before(self, stage: str) -> None:
         """Drop the weights (and compiled calls) that no program of `stage` or a later stage (kinds.PIPELINE_STAGES)
