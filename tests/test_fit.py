@@ -174,3 +174,29 @@ def test_each_tpu_preset_names_its_slice() -> None:
     assert {n: targets.topology(t) for n, t in targets.PRESETS.items() if t.platform == "tpu"} == want
     v4 = targets.resolve("tpu-v4-8", "dp=2,sp=2,tp=4")  # a 16-chip v4 slice
     assert targets.topology(v4) == "v4:2x2x4" and targets.chip(v4).chip_config == "megacore"
+
+
+KERNEL_CHECK = """
+import jax, jax.numpy as jnp, sys
+from runtime import fit, targets
+from export.flash_tpu import FlashBlocks, flash_attention
+t = targets.get(sys.argv[1])
+mesh, _ = fit.compile_only_mesh(t)
+b = FlashBlocks()
+q = jax.ShapeDtypeStruct((1, 40 // t.mesh["tp"], 2 * b.block_q, 128), jnp.bfloat16,
+                         sharding=jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
+kv = jax.ShapeDtypeStruct((1, q.shape[1], 2 * b.block_kv, 128), jnp.bfloat16, sharding=q.sharding)
+compiled = jax.jit(flash_attention).lower(q, kv, kv).compile()
+print(fit.MOSAIC in compiled.as_text())
+"""
+
+
+def test_the_default_flash_blocks_compile_for_the_tightest_chip() -> None:
+    """The presets' default blocks (3328 / 2816 / 256), unclamped (two q and two kv blocks of the 14B's 128-wide
+    heads, as many per device as tp leaves), through Mosaic for v4, whose VMEM is the smallest of the presets' chips
+    (16 MiB per core against v5e's and v6e's 128 MiB, as jax's
+    pallas/mosaic/tpu_info.py lists them). v5e and v6e compile the same defaults in the real 1.3B and 14B block
+    programs (tools/bench.py fit, BENCHMARKS.md section 6); the tiny bundles above clamp them to their sequence."""
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, "tpu-v4-8"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr[-3000:]
