@@ -151,16 +151,8 @@ class Field:
     def schema(self, offer: Offer, form: bool) -> dict[str, Any]:
         """The field's JSON Schema in the request body of a JSON (form=False) or multipart (form=True) request."""
         if self.type == "file":
-            media = self.accepts(offer)
-            if form:
-                one = {"type": "string", "format": "binary", "description": self.description}
-            else:
-                one = {"type": "string", "description": self.description + f" In JSON: a base64 data URL "
-                       f"(data:{media}/{'png' if media == 'image' else 'mp4'};base64,...) or bare base64."}
-            if self.repeat is None:
-                return one
-            return {"type": "array", "items": {k: v for k, v in one.items() if k != "description"},
-                    "maxItems": self.repeat(offer), "description": self.description}
+            return file_schema(self.accepts(offer), self.description, form,
+                               None if self.repeat is None else self.repeat(offer))
         if self.type == "numbers":  # in a form, the numbers as text, comma-separated
             lo, hi = self.bounds(offer)
             if form:
@@ -216,6 +208,26 @@ class Field:
                 (choices is not None and value not in choices):
             raise ApiError(400, self.mismatch.format(value=value, choices=", ".join(choices or [])), self.name)
         return value
+
+
+def file_schema(media: str, description: str, form: bool, repeat: int | None = None) -> dict[str, Any]:
+    """A file field's JSON Schema: a binary part of a form, or in JSON a base64 data URL (format `image-data-url` or
+    `video-data-url`: what the file must decode to, an image Pillow reads or a video with frames, is more than a
+    pattern can say), an image also as OpenAI's {"image_url": "data:..."}; `repeat`: up to that many."""
+    if form:
+        one: dict[str, Any] = {"type": "string", "format": "binary", "description": description}
+    else:
+        url = {"type": "string", "format": f"{media}-data-url"}
+        example = f"data:{media}/{'png' if media == 'image' else 'mp4'};base64,..."
+        also = ', or {"image_url": DATA_URL}' if media == "image" else ""
+        text = f"{description} In JSON: a base64 data URL ({example}) or bare base64{also} (the server fetches no URL)."
+        one = {**url, "description": text} if media != "image" else {"anyOf": [url, {
+            "type": "object", "properties": {"image_url": url}, "required": ["image_url"],
+            "additionalProperties": False}], "description": text}
+    if repeat is None:
+        return one
+    return {"type": "array", "items": {k: v for k, v in one.items() if k != "description"}, "maxItems": repeat,
+            "description": description}
 
 
 _INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
@@ -585,6 +597,21 @@ def decode_data_url(name: str, value: str) -> bytes:
                        name) from None
 
 
+def decode_file(name: str, value: Any, image: bool) -> bytes:
+    """A file field's value in JSON: a data URL string, or (an image) OpenAI's {"image_url": "data:..."}. The server
+    fetches nothing: any other URL is a 400."""
+    if image and isinstance(value, dict) and set(value) == {"image_url"} and isinstance(value["image_url"], str):
+        url = value["image_url"]
+        if not url.startswith("data:"):
+            raise ApiError(400, f"{name}.image_url must be a data URL (data:image/png;base64,...): the server fetches "
+                                "nothing, send the image's bytes", name)
+        return decode_data_url(name, url)
+    if not isinstance(value, str):
+        shape = ' or {"image_url": "data:..."}' if image else ""
+        raise ApiError(400, f"{name} must be a base64 data URL string{shape}", name)
+    return decode_data_url(name, value)
+
+
 async def read_limited(request: Any, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     """The body, refusing more than `max_bytes` as it streams in (chunked bodies have no Content-Length)."""
     chunks, total = [], 0
@@ -614,12 +641,19 @@ def _check_text(fields: dict[str, Any]) -> None:
                                     "such as \\ud800): send UTF-8 text", name) from None
 
 
-async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_bytes: int = MAX_IMAGE_BYTES) -> Body:
-    """A JSON or multipart/form-data body of at most `max_bytes` (a form's parts of at most `max_part_bytes`); any
-    other media type is a 415."""
+async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_bytes: int = MAX_IMAGE_BYTES,
+                    file_fields: tuple[str, ...] = FILE_FIELDS, offer: Offer | None = None) -> Body:
+    """A JSON or multipart/form-data body of at most `max_bytes` (a form's parts of at most `max_part_bytes`), whose
+    files are the fields `file_fields` (the create request's by default; in JSON, data URLs, or for an image
+    {"image_url": "data:..."}, also sent in a form as the field `NAME[image_url]`; a JSON object for another field,
+    such as an edit's {"video": {"id": ...}}, stays a field); any other media type is a 415."""
     ctype = request.headers.get("content-type", "")
     media = ctype.split(";", 1)[0].strip().lower()
     files: dict[str, list[bytes]] = {}
+
+    def image(name: str) -> bool:
+        return name in BY_NAME and (offer is None or BY_NAME[name].accepts(offer) == "image")
+
     if media == "application/json":
         try:
             fields = json.loads(await read_limited(request, max_bytes))
@@ -628,15 +662,14 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_byte
         if not isinstance(fields, dict):
             raise ApiError(400, "the body must be a JSON object")
         _check_text(fields)
-        for name in FILE_FIELDS:
+        for name in file_fields:
             if name in fields:
+                if name not in BY_NAME and isinstance(fields[name], dict):  # a reference to a video ({"id": ...})
+                    continue
                 value = fields.pop(name)
-                repeated = BY_NAME[name].repeat is not None
+                repeated = name in BY_NAME and BY_NAME[name].repeat is not None
                 items = value if repeated and isinstance(value, list) else [value]
-                if not all(isinstance(v, str) for v in items):
-                    raise ApiError(400, f"{name} must be a base64 data URL string{' or a list of them' * repeated}",
-                                   name)
-                files[name] = [decode_data_url(name, v) for v in items]
+                files[name] = [decode_file(name, v, image(name)) for v in items]
         return Body(fields, files, form=False)
     if media == "multipart/form-data":
         if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
@@ -648,12 +681,15 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_byte
             if name.endswith("[]") and BY_NAME.get(name[:-2], FIELDS[0]).type == "numbers":
                 name = name[:-2]  # how the openai SDK sends a list in a form: one `sigmas[]` part an item
             if hasattr(value, "read"):  # an uploaded file
-                if name not in FILE_FIELDS:
-                    raise ApiError(400, f"unexpected file field {name!r} (images and videos go in input_reference)",
-                                   name)
+                if name not in file_fields:
+                    where = " or ".join(file_fields) if file_fields != FILE_FIELDS else "input_reference"
+                    raise ApiError(400, f"unexpected file field {name!r} (images and videos go in {where})", name)
                 files.setdefault(name, []).append(await value.read())
-            elif name in FILE_FIELDS:
+            elif name in file_fields:
                 files.setdefault(name, []).append(decode_data_url(name, value))
+            elif name.endswith("[image_url]") and name[:-11] in file_fields and image(name[:-11]):
+                # the SDK's form for extra_body={"input_reference": {"image_url": ...}}
+                files.setdefault(name[:-11], []).append(decode_file(name[:-11], {"image_url": value}, True))
             elif name in fields and name in BY_NAME and BY_NAME[name].type == "numbers":  # a list sent as parts
                 fields[name] = f"{fields[name]},{value}"
             elif name in fields:

@@ -15,6 +15,7 @@ from .lease import DEFAULT_STALL_S
 from .limits import Limits, Slots
 from .schema import MAX_STEPS, Offer
 from .tenants import Keys
+from .webhooks import Config as WebhookConfig
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Settings:
     max_steps: int = MAX_STEPS  # the most denoising steps a job may ask for (MAX_STEPS at most)
     names: Names = field(default_factory=Names)  # the Host names requests may use (access.py); default: any
     limits: Limits = field(default_factory=Limits)  # timeouts and sizes (limits.py)
+    webhooks: WebhookConfig = field(default_factory=WebhookConfig)  # --webhook-url/-secret/-allow (webhooks.py)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class State:
     job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
     broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others
     on_stall: Callable[[], Any] = lambda: os._exit(3)  # a stalled job: exit non-zero, the supervisor restarts us
+    wake_webhooks: Callable[[], None] = lambda: None  # a job ended here: its webhook deliveries are due (webhooks.py)
     uploads: Slots = None  # type: ignore[assignment]  # create requests reading or checking a body at once
     decodes: threading.BoundedSemaphore = None  # type: ignore[assignment]  # requests decoding media at once
 
