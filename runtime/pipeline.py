@@ -513,7 +513,7 @@ class Pipeline:
 
     def start_step(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None) -> int:
         """The first of the schedule's steps a run takes: 0, or for video-to-video (embeds with `video_latents`) the
-        one `strength` picks (samplers.start_step); UserError for a bad strength or one that leaves no step."""
+        one `strength` picks (samplers.start_step: at least the last step runs); UserError for a bad strength."""
         if "video_latents" not in embeds:
             if strength is not None:
                 raise UserError("strength is for video-to-video (a video given to encode)")
@@ -521,10 +521,7 @@ class Pipeline:
         strength = 0.8 if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
             raise UserError(f"strength must be a number in (0, 1], got {strength!r}")
-        start = samplers.start_step(s.steps, strength)
-        if start >= s.steps:
-            raise UserError(f"strength {strength:g} of {s.steps} steps runs no step: raise the strength or the steps")
-        return start
+        return samplers.start_step(s.steps, strength)
 
     def steps_run(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None = None) -> int:
         """The denoising steps a run of `s` takes: the schedule's from start_step on (video-to-video runs only the

@@ -12,7 +12,7 @@ How a bundle remakes or extends a video depends on what its kind takes, so it is
 continues the source's last latent frames) is one more row and a branch in `sources`.
 
     remakes (remix, edits), the new prompt over the source:
-      video_to_video  t2v bundles with the VAE encoder: the source is the source video, noised at `strength`
+      video_to_video  t2v bundles with the VAE encoder: the source's latents, noised at `strength`, start the run
       image           image-to-video kinds with a video VAE encoder: the source's first frame (and last, FLF2V) is the
                       image, and the source's latents, noised at `strength`, start the run (SDEdit)
       vace            VACE: the source's latents, noised at `strength`, start a run with no control video
@@ -25,7 +25,9 @@ continues the source's last latent frames) is one more row and a branch in `sour
       vace            VACE: the source's last `vace_overlap(F)` frames are kept (mask black) at the start of the new
                       part's F frames, the rest generated (mask white, grey control frames)
 
-`strength` (in (0, 1], default DEFAULT_STRENGTH, as video-to-video's) is how much of a noised source is replaced.
+`strength` (in (0, 1], default DEFAULT_STRENGTH, as video-to-video's) is how much of a noised source is replaced. A
+remake makes as many frames as the source has where the bundle makes that many at its size, else the most it makes that
+the source has (its first frames), or its fewest (the source's last frame repeated) where the source is shorter.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def vace_overlap(frames: int) -> int:
 
 
 REMAKES: tuple[Way, ...] = (
-    Way("video_to_video", lambda k, vtv: vtv, noised=True),
+    Way("video_to_video", lambda k, vtv: vtv, noised=True),  # (no other conditioning: the run's `video_latents`)
     Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate, noised=True,
         image="first"),
     Way("vace", lambda k, vtv: k.vace, noised=True),
@@ -183,6 +185,18 @@ def _inherited(source: Source, offer: Offer, given: dict[str, Any]) -> dict[str,
     return {**fields, **given}
 
 
+def fit(frames: int, offer: Offer, size: str) -> int:
+    """The frames a remake of a `frames`-frame video makes at `size`: the most the bundle makes there that the video
+    has (its first ones), or its shortest (the video's last frame repeated) where the video is shorter than all."""
+    counts = sorted(set(offer.durations(size).values()))
+    return max((n for n in counts if n <= frames), default=counts[0])
+
+
+def fitted(source: list[Any], frames: int) -> list[Any]:
+    """`source` cut, or its last frame repeated, to `frames` frames (`fit`)."""
+    return source[:frames] + [source[-1]] * (frames - len(source))
+
+
 def _seconds(offer: Offer, size: str, frames: int) -> str:
     """The duration the create request names a shape's `frames` by, at the bundle's frame rate; a 400 naming what the
     bundle makes if `size` has no shape of that many frames."""
@@ -218,8 +232,9 @@ def remake(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
                             'completed videos (their seed and settings with the new prompt): pass {"id": VIDEO_ID}, or '
                             "export the bundle with the encoder (video-to-video) to edit uploads", "video")
     given = dict(body.fields)
+    given_strength = "strength" in given
     strength = given.pop("strength", None)
-    if strength is not None and not w.noised:
+    if given_strength and not w.noised:
         raise ApiError(400, f"strength is for remakes that noise the source video (bundles with a video VAE encoder); "
                             f"this bundle is {offer.kind.title}: it remakes from the source's seed and settings",
                        "strength")
@@ -230,14 +245,10 @@ def remake(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
     extra: list[tuple[str, bytes]] = []
     params: dict[str, Any] = {}
     if w.noised:
-        strength = BY_NAME["strength"].check(strength, offer, body.form) if strength is not None else DEFAULT_STRENGTH
+        strength = BY_NAME["strength"].check(strength, offer, body.form) if given_strength else DEFAULT_STRENGTH
         params["strength"] = strength
-        if w.name == "video_to_video":
-            files["input_reference"] = [source.data]
-            fields["strength"] = strength
-        else:
-            fields["seconds"] = _seconds(offer, size, len(source.frames))
-            extra.append(("remake", source.data))
+        fields["seconds"] = _seconds(offer, size, fit(len(source.frames), offer, size))
+        extra.append(("remake", source.data))
     elif source.job is not None:
         fields["seconds"] = _seconds(offer, size, int(source.job.params.get("frames") or len(source.frames)))
     if w.image and (source.job is None or w.noised or "image" in (source.job.params.get("media") or [])):
@@ -298,6 +309,8 @@ def sources(params: dict[str, Any], media: dict[str, Any]) -> dict[str, Any]:
         media["_source"] = source
         if d["way"] == "vace":
             media["video"], media["mask"] = vace_extension(source, d["overlap"], params["frames"], params["size"])
+    elif "remake" in media:
+        media["remake"] = fitted(media["remake"], params["frames"])
     return media
 
 

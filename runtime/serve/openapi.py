@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schema import BY_NAME, FILE_FIELDS, Offer, body_schema
+from .schema import BY_NAME, FILE_FIELDS, NOT_BOTH_STEP_COUNTS, Offer, body_schema
 
 
 class _Strict(BaseModel):
@@ -136,7 +136,6 @@ _WHY = {400: "a field, parameter or body the API does not take (`param` names it
         408: "the request's head or body did not arrive in time (--header-timeout, --body-timeout)",
         409: "the video (or its source) is not in a state for this", 413: "the body is larger than the server takes "
                                                                           "(--max-body-mb)",
-        502: "the webhook endpoint could not be reached",
         415: "a body neither JSON nor multipart/form-data", 416: "a Range outside the video",
         429: "the queue is full", 431: "the request's head is too large",
         503: "the model is still loading, the server is draining, or it is at a limit (--max-connections, "
@@ -170,33 +169,42 @@ def create_request(offer: Offer) -> dict[str, Any]:
 def derived_request(offer: Offer, op: str) -> dict[str, Any]:
     """The request body of a remix ("remix": JSON, as the SDK sends it), an edit ("edit") or an extension ("extend"):
     JSON with `video` as {"id": ...} or a data URL, or a form with `video` (a file) or `video[id]`."""
-    from .derive import offered
+    from .derive import DEFAULT_STRENGTH, REMAKES, offered, way
     from .schema import file_schema
 
     names = offered(op, offer)
+    uploads = op == "extend" or not getattr(way(REMAKES, offer), "settings_only", True)  # else ids only
     bodies: dict[str, Any] = {}
     for form in (False, True) if op != "remix" else (False,):
         props = {name: BY_NAME[name].schema(offer, form) for name in names}
         if "strength" in props:
-            props["strength"]["default"] = 0.8
+            props["strength"]["default"] = DEFAULT_STRENGTH
+        if "seconds" in props:  # the new part's: a duration of the size (the source's, unless `size` says)
+            props["seconds"]["enum"] = list(dict.fromkeys(s for size in offer.sizes for s in offer.durations(size)))
         required = ["prompt"] + (["seconds"] if op == "extend" else [])
         schema: dict[str, Any] = {"type": "object", "properties": props, "required": required,
-                                  "additionalProperties": False, "not": {"required": ["sigmas", "num_inference_steps"]}}
+                                  "additionalProperties": False, **NOT_BOTH_STEP_COUNTS}
         if op != "remix":
-            what = "The source video: a completed video of yours, or a video file"
+            what = "The source video: a completed video of yours" + (", or a video file" if uploads else "")
             ref = {"type": "object", "properties": {"id": {"type": "string", "minLength": 1}}, "required": ["id"],
                    "additionalProperties": False}
             if form:
-                props["video"] = file_schema("video", what + " (the file).", True)
                 props["video[id]"] = {"type": "string", "minLength": 1, "description": "A completed video's id (the "
                                       "SDK sends extra_body={\"video\": {\"id\": ...}} so)."}
-                schema["oneOf"] = [{"required": ["video"]}, {"required": ["video[id]"]}]
+                if uploads:
+                    props["video"] = file_schema("video", what + " (the file).", True)
+                    schema["allOf"] = [NOT_BOTH_STEP_COUNTS, {"oneOf": [{"required": ["video"]},
+                                                                        {"required": ["video[id]"]}]}]
+                    del schema["anyOf"]
+                else:
+                    required.append("video[id]")
             else:
-                props["video"] = {"anyOf": [ref, {"type": "string", "format": "video-data-url"}],
-                                  "description": what + ': {"id": VIDEO_ID}, or a base64 data URL.'}
+                props["video"] = {"anyOf": [ref, {"type": "string", "format": "video-data-url"}] if uploads else [ref],
+                                  "description": what + (': {"id": VIDEO_ID}, or a base64 data URL.' if uploads else
+                                                         ': {"id": VIDEO_ID}.')}
                 required.append("video")
         bodies["multipart/form-data" if form else "application/json"] = {"schema": schema}
-    if "multipart/form-data" in bodies:
+    if "multipart/form-data" in bodies and uploads:
         bodies["multipart/form-data"]["encoding"] = {"video": {"contentType": "video/*"}}
     return {"required": True, "content": bodies}
 

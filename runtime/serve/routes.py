@@ -255,12 +255,12 @@ def _answer(e: ApiError) -> JSONResponse:
 
 
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
-    """The methods the routes at this request's path take (a 405's `Allow`, RFC 9110)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        if route.matches(scope)[0] != Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return sorted(methods)
+    """The methods the routes at this request's path take (a 405's `Allow`, RFC 9110): those of a route whose path is
+    this one exactly (POST /v1/videos/edits) where there is one, not also those of a template it happens to fit
+    (/v1/videos/{video_id})."""
+    matched = [route for route in app.router.routes if route.matches(scope)[0] != Match.NONE]
+    exact = [route for route in matched if "{" not in getattr(route, "path", "{")]
+    return sorted({m for route in exact or matched for m in getattr(route, "methods", None) or set()})
 
 
 def route_of(app: FastAPI, scope: dict[str, Any]) -> str:
@@ -371,8 +371,11 @@ def derive_routes(app: FastAPI, state: State) -> None:
             upload = (body.files.pop("video", None) or [None])[0]
             return await run_in_threadpool(_derive, state, store, body, tenant, op, ref, upload)
 
+    remakes, extends = (derive.way(ways, state.offer) is not None for ways in (derive.REMAKES, derive.EXTENDS))
+
+    # A route this bundle cannot serve answers 400 naming the kinds that can, and is left out of its document.
     @app.post("/v1/videos/{video_id}/remix", operation_id="remixVideo", summary="Remake a completed video with a new "
-              "prompt (remixed_from_video_id names it)",
+              "prompt (remixed_from_video_id names it)", include_in_schema=remakes,
               openapi_extra={"requestBody": oa.derived_request(state.offer, "remix")},
               responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
                          **oa.errors(400, 404, 409, 413, 415, 429, 503)})
@@ -380,7 +383,7 @@ def derive_routes(app: FastAPI, state: State) -> None:
         return await derived(request, "remix", video_id)
 
     @app.post("/v1/videos/edits", operation_id="editVideo", summary="Remake a video (an upload, or a completed one "
-              "by id) with a new prompt",
+              "by id) with a new prompt", include_in_schema=remakes,
               openapi_extra={"requestBody": oa.derived_request(state.offer, "edit")},
               responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
                          **oa.errors(400, 404, 409, 413, 415, 429, 503)})
@@ -388,7 +391,7 @@ def derive_routes(app: FastAPI, state: State) -> None:
         return await derived(request, "edit")
 
     @app.post("/v1/videos/extensions", operation_id="extendVideo", summary="Continue a video (an upload, or a "
-              "completed one by id): the result is the video, then `seconds` more",
+              "completed one by id): the result is the video, then `seconds` more", include_in_schema=extends,
               openapi_extra={"requestBody": oa.derived_request(state.offer, "extend")},
               responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
                          **oa.errors(400, 404, 409, 413, 415, 429, 503)})
@@ -400,8 +403,6 @@ def _derive(state: State, store: JobStore, body: Body, tenant: str, op: str, ref
             upload: bytes | None) -> JSONResponse:
     """A remix's, edit's or extension's job: its source (a completed video of the tenant's, or the upload), the
     create request derive.py makes of it, checked as any, and queued with the source among its files."""
-    from .. import samplers
-
     offer = state.offer
     with state.decodes:
         source = derive.load_source(store, tenant, ref, upload)
@@ -414,11 +415,6 @@ def _derive(state: State, store: JobStore, body: Body, tenant: str, op: str, ref
                 e.param, e.message = "video", e.message.replace("input_reference", "the video")
             raise
     derive.finish(params, added, source, extra)
-    if params.get("strength") is not None and "remake" in params["media"]:
-        steps = len(params["sigmas"]) if params.get("sigmas") else params.get("steps") or offer.steps
-        if samplers.start_step(steps, params["strength"]) >= steps:
-            raise ApiError(400, f"strength {params['strength']:g} of {steps} steps runs no step: raise the strength "
-                                "or num_inference_steps", "strength")
     files = [data for name in FILE_FIELDS for data in made.files.get(name, [])] + [data for _, data in extra]
     return _queue(state, params, files, tenant)
 

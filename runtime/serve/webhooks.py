@@ -32,6 +32,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import re
 import secrets
 import socket
 import ssl
@@ -42,7 +43,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+from fastapi import Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import UserError
 from .errors import ApiError
@@ -101,24 +104,41 @@ class Refused(ValueError):
     """A URL a webhook may not be sent to (the message says why and what to do)."""
 
 
-def resolve(url: str, allow: Allow) -> tuple[Any, str, int, list[Any]]:
-    """(the URL's parts, its host, its port, the addresses it may be sent to); Refused if it is not http(s), names no
-    host, does not resolve, or resolves to an address that is not routable and not allowed."""
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_NAME = rf"(?:{_LABEL}\.)+[A-Za-z]{{2,63}}\.?"  # a DNS name whose last label is letters: an address is not one
+_PORT = r"(?::(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3}))?"
+_REST = r"(?:[/?#][!-~]*)?"  # a path, query and fragment of visible ASCII (anything else percent-encoded)
+
+
+def url_pattern(allow: Allow) -> str:
+    """The URLs an endpoint may have, as a regular expression JSON Schema (ECMA-262) and Python read alike: http(s), a
+    host name with a dot and a letters-only last label (an IP address, or a name like `localhost`, only where
+    --webhook-allow names it exactly), an optional port, visible ASCII after. Where the name resolves is checked
+    besides (`resolve`)."""
+    literal = [re.escape(n) for n in sorted(allow.names)]
+    literal += [re.escape(str(n.network_address) if n.version == 4 else f"[{n.network_address}]")
+                for n in allow.networks if n.num_addresses == 1]
+    return rf"^https?://(?:{'|'.join([HOST_NAME, *literal])}){_PORT}{_REST}$"
+
+
+def resolve(url: str, allow: Allow, unresolved_ok: bool = False) -> tuple[Any, str, int, list[Any]]:
+    """(the URL's parts, its host, its port, the addresses it may be sent to); Refused if it is not one `url_pattern`
+    takes, or its host resolves to an address that is not routable and not allowed, or (unless `unresolved_ok`: an
+    endpoint is made before its name exists, and each delivery resolves it again) does not resolve."""
     if not isinstance(url, str) or len(url) > MAX_URL:
         raise Refused(f"url must be an http(s) URL of at most {MAX_URL} characters")
-    try:
-        parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as e:
-        raise Refused(f"url {url[:100]!r} is not a URL ({e})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise Refused(f"url {url[:100]!r} must be an http:// or https:// URL with a host")
-    if parts.username is not None or parts.password is not None:
-        raise Refused("url must not hold a user name or password: a webhook's signature authenticates it")
-    host = parts.hostname
+    if not re.fullmatch(url_pattern(allow), url):
+        raise Refused(f"url {url[:100]!r} must be http:// or https:// with a host name (an IP address, or a name "
+                      "without a dot such as localhost, only where the server's --webhook-allow names it: webhooks go "
+                      "to public hosts), an optional port, then a path of visible ASCII")
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
+        if unresolved_ok:
+            return parts, host, port, []
         raise Refused(f"url's host {host!r} does not resolve ({e})") from None
     addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos))
     for address in addresses:
@@ -485,8 +505,8 @@ class _Strict(BaseModel):
 EventType = Literal["video.completed", "video.failed"]
 Name = Annotated[str, Field(min_length=1, max_length=256, description="a human-readable name")]
 Url = Annotated[str, Field(min_length=1, max_length=MAX_URL, description="the http(s) URL deliveries are POSTed to: "
-                           "a public address (a private, loopback or link-local one needs the server's "
-                           "--webhook-allow)")]
+                           "a host name that resolves to public addresses (an IP address, or a private, loopback or "
+                           "link-local one, needs the server's --webhook-allow)")]
 Types = Annotated[list[EventType], Field(min_length=1, description="the event types delivered to it")]
 
 
@@ -545,6 +565,7 @@ class WebhookEndpointTestResult(_Strict):
     status_code: int
     success: Literal[True]
     webhook_endpoint_id: str
+    error: str | None = Field(description="why no answer came (status_code is then 0), or null")
 
 
 class EventTypeList(_Strict):
@@ -552,8 +573,18 @@ class EventTypeList(_Strict):
     data: list[str]
 
 
-def _body(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+EndpointId = Annotated[str, Path(description="a webhook endpoint's id")]
+
+
+def _body(model: type[BaseModel], allow: Allow | None = None) -> dict[str, Any]:
+    """A request body's document; an endpoint's `url` with the pattern this server takes (url_pattern)."""
+    schema = model.model_json_schema()
+    url = schema.get("properties", {}).get("url")
+    if url is not None and allow is not None:
+        for branch in url.get("anyOf", [url]):
+            if branch.get("type") == "string":
+                branch["pattern"] = url_pattern(allow)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _parse(request: Any, model: type[_Strict]) -> Any:
@@ -577,14 +608,10 @@ async def _parse(request: Any, model: type[_Strict]) -> Any:
 
 def add_routes(app: Any, state: Any) -> None:
     """The webhook endpoint routes, each a tenant's own (another's id is a 404, as an unknown one)."""
-    from fastapi import Path, Query, Request
-    from starlette.concurrency import run_in_threadpool
-
     from . import openapi as oa
 
     endpoints = Endpoints(state.store.db)
     config: Config = state.settings.webhooks
-    EndpointId = Annotated[str, Path(description="a webhook endpoint's id")]
 
     def mine(request: Request, eid: str) -> Endpoint:
         found = endpoints.get(request.state.tenant, eid)
@@ -594,7 +621,7 @@ def add_routes(app: Any, state: Any) -> None:
 
     def checked(url: str) -> str:
         try:
-            resolve(url, config.allow)
+            resolve(url, config.allow, unresolved_ok=True)
         except Refused as e:
             raise ApiError(400, str(e), "url") from None
         return url
@@ -606,7 +633,7 @@ def add_routes(app: Any, state: Any) -> None:
 
     @app.post("/v1/webhook_endpoints", operation_id="createWebhookEndpoint", response_model=None,
               summary="Make a webhook endpoint (its signing_secret is shown now, and at a rotation)",
-              openapi_extra=_body(EndpointCreate),
+              openapi_extra=_body(EndpointCreate, config.allow),
               responses={200: {"model": WebhookEndpointWithSecret}, **oa.errors(400, 415)})
     async def create(request: Request) -> dict[str, Any]:
         body = await _parse(request, EndpointCreate)
@@ -637,7 +664,7 @@ def add_routes(app: Any, state: Any) -> None:
 
     @app.post("/v1/webhook_endpoints/{webhook_endpoint_id}", operation_id="updateWebhookEndpoint",
               response_model=None, summary="Change a webhook endpoint's name, url or event types",
-              openapi_extra=_body(EndpointUpdate),
+              openapi_extra=_body(EndpointUpdate, config.allow),
               responses={200: {"model": WebhookEndpoint}, **oa.errors(400, 404, 415)})
     async def update(request: Request, webhook_endpoint_id: EndpointId) -> dict[str, Any]:
         body = await _parse(request, EndpointUpdate)
@@ -674,20 +701,20 @@ def add_routes(app: Any, state: Any) -> None:
     @app.post("/v1/webhook_endpoints/{webhook_endpoint_id}/test", operation_id="testWebhookEndpoint",
               response_model=None, summary="Send the endpoint a sample event now (of a video `video_test`), signed",
               openapi_extra=_body(EndpointTest),
-              responses={200: {"model": WebhookEndpointTestResult}, **oa.errors(400, 404, 415, 502)})
+              responses={200: {"model": WebhookEndpointTestResult}, **oa.errors(400, 404, 415)})
     async def test(request: Request, webhook_endpoint_id: EndpointId) -> dict[str, Any]:
         body = await _parse(request, EndpointTest)
         endpoint = mine(request, webhook_endpoint_id)
         payload = json.dumps(event(body.event_type, "video_test"), separators=(",", ":")).encode()
         msg_id = "msg_" + secrets.token_hex(12)
+        status: int
+        error: str | None
         try:
             status = await run_in_threadpool(post, endpoint.url, payload,
                                              signed_headers(endpoint.secrets(time.time()), msg_id, payload),
                                              config.allow)
-        except Refused as e:
-            raise ApiError(400, str(e), "url") from None
-        except (OSError, http.client.HTTPException) as e:
-            raise ApiError(502, f"the endpoint {endpoint.url[:200]} could not be reached: {type(e).__name__}: {e}",
-                           code="webhook_unreachable") from None
+            error = None
+        except (Refused, OSError, http.client.HTTPException) as e:  # (its name may resolve elsewhere by now)
+            status, error = 0, f"the endpoint could not be reached: {type(e).__name__}: {e}"
         return {"object": "webhook_endpoint.test", "event_type": body.event_type, "status_code": status,
-                "success": True, "webhook_endpoint_id": endpoint.id}
+                "success": True, "webhook_endpoint_id": endpoint.id, "error": error}
