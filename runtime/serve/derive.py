@@ -209,11 +209,11 @@ def _seconds(offer: Offer, size: str, frames: int) -> str:
                         "of those lengths", "video")
 
 
-def _size(source: Source, offer: Offer, fields: dict[str, Any]) -> str:
-    """The derived video's size: the request's `size`, else the source job's, else the source's frames' if the bundle
-    makes it, else the bundle's default."""
+def _size(source: Source, offer: Offer, fields: dict[str, Any], form: bool) -> str:
+    """The derived video's size: the request's `size` (checked: a 400 names the sizes the bundle makes), else the
+    source job's, else the source's frames' if the bundle makes it, else the bundle's default."""
     if "size" in fields:
-        return fields["size"]
+        return BY_NAME["size"].check(fields["size"], offer, form)
     if source.job is not None and source.job.size in offer.sizes:
         return source.job.size
     w, h = source.frames[0].size
@@ -239,7 +239,7 @@ def remake(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
                             f"this bundle is {offer.kind.title}: it remakes from the source's seed and settings",
                        "strength")
     fields = _inherited(source, offer, given)
-    size = _size(source, offer, fields)
+    size = _size(source, offer, fields, body.form)
     fields["size"] = size
     files: dict[str, list[bytes]] = {}
     extra: list[tuple[str, bytes]] = []
@@ -271,7 +271,7 @@ def extend(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
                             "lists", "seconds")
     fields = _inherited(source, offer, given)
     fields.pop("conditioning_scale", None) if not offer.kind.vace else None
-    size = _size(source, offer, fields)
+    size = _size(source, offer, fields, body.form)
     fields["size"] = size
     frames = offer.durations(size).get(fields["seconds"]) if isinstance(fields["seconds"], str) else None
     files: dict[str, list[bytes]] = {}

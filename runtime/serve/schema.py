@@ -226,7 +226,7 @@ def file_schema(media: str, description: str, form: bool, repeat: int | None = N
         one = {**url, "description": text} if media != "image" else {"anyOf": [url, {
             "type": "object", "properties": {"image_url": url}, "required": ["image_url"],
             "additionalProperties": False}], "description": text}
-    if repeat is None:
+    if repeat is None or (form and repeat == 1):  # (a form's field sent at most once is a file, not a list)
         return one
     return {"type": "array", "items": {k: v for k, v in one.items() if k != "description"}, "maxItems": repeat,
             "description": description}
@@ -323,7 +323,8 @@ FIELDS: tuple[Field, ...] = (
           offered=lambda o: o.kind.animate, accepts=lambda o: "video",
           refusal=lambda o: f"mask_video is for Wan-Animate; this bundle is {o.kind.title}"),
     Field("prev_segment_frames", "integer", "Wan-Animate: the frames each segment takes from the one before.",
-          param="prev_segment_frames", enum=lambda o: list(animate.PREV_FRAMES), default=lambda o: 1,
+          param="prev_segment_frames", default=lambda o: 1,  # those a segment of the bundle's frames can take
+          enum=lambda o: [p for p in animate.PREV_FRAMES if any(n >= 2 * p + 1 for _, n in o.shapes)],
           offered=lambda o: o.kind.animate, mismatch="prev_segment_frames must be one of {choices}, got {value!r}",
           refusal=lambda o: f"prev_segment_frames is for Wan-Animate; this bundle is {o.kind.title}"),
     Field("conditioning_scale", "number", "VACE: the scale of the VACE branch's hints.", param="conditioning_scale",
@@ -379,8 +380,7 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
         rules.append({"anyOf": [
             {"properties": {"mode": {"const": "animate"}, "background_video": False, "mask_video": False}},
             {"properties": {"mode": {"const": "replace"}}, "required": ["mode", "background_video", "mask_video"]}]})
-    rules = [r for r in rules if r]
-    schema.update(rules[0] if len(rules) == 1 else {"allOf": rules})
+    schema["allOf"] = [r for r in rules if r]
     return schema
 
 

@@ -246,11 +246,11 @@ class Config:
             if not secret:
                 raise UserError("--webhook-url needs --webhook-secret whsec_... (or WAN_AOT_WEBHOOK_SECRET): the "
                                 "receiver checks each delivery's signature with it")
+            secret = check_secret(secret)
             try:
-                resolve(url, allowed)
+                resolve(url, allowed, unresolved_ok=True)  # (a name that resolves only later is tried at each send)
             except Refused as e:
                 raise UserError(f"--webhook-url: {e}") from None
-            secret = check_secret(secret)
         if not retry_for > 0:
             raise UserError(f"--webhook-retry-for {retry_for} must be a number of seconds > 0")
         return cls(allowed, url or None, secret or None, float(retry_for))
