@@ -79,3 +79,34 @@ def test_schemathesis_finds_nothing_in_each_kinds_document(name: str, tmp_path: 
     with serving_offer(name, tmp_path) as server:
         schemathesis_clean(server, tmp_path, key=None, examples=2, size=size, frames=frames,
                            operations=KIND_OPERATIONS, phases=("coverage", "fuzzing"))
+
+
+def test_what_a_kind_cannot_make_is_refused_and_left_out_of_its_document(tmp_path: Path) -> None:
+    """Wan-Animate neither remakes nor extends (its pose and face videos went with the source job): remix, edits and
+    extensions answer 400 naming the kinds that do, and its document leaves them out; an image-to-video bundle's has
+    them all."""
+    import base64
+    import io
+
+    import httpx
+    import numpy as np
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((32, 64, 3), 40 * i, np.uint8)) for i in range(5)]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    upload = "data:video/gif;base64," + base64.b64encode(out.getvalue()).decode()
+    derived = {"/v1/videos/{video_id}/remix", "/v1/videos/edits", "/v1/videos/extensions"}
+    with serving_offer("animate", tmp_path / "animate") as server:
+        assert not derived & httpx.get(server.url + "/openapi.json").json()["paths"].keys()
+        for path, body, message in (
+                ("/v1/videos/edits", {}, "its videos cannot be remixed or edited (the kinds that can: t2v, t2v-moe, "
+                                         "ti2v, i2v, flf2v, i2v-moe, vace, vace-moe, and text-to-video with the VAE "
+                                         "encoder)"),
+                ("/v1/videos/extensions", {"seconds": "0.5625"}, "it cannot extend a video (the kinds that extend: "
+                                                                 "ti2v, i2v, i2v-moe, vace, vace-moe)")):
+            r = httpx.post(server.url + path, json={"prompt": "a dancer", "video": upload, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "video", r.text
+            assert r.json()["error"]["message"].endswith(message), r.text
+    with serving_offer("i2v", tmp_path / "i2v") as server:
+        assert derived <= httpx.get(server.url + "/openapi.json").json()["paths"].keys()

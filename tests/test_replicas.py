@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from . import pg_bin
@@ -360,13 +361,20 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
         def video_key(self, job) -> str:
             return "videos/j-1.mp4"
 
-        def complete(self, job, key: str) -> None:
+        def preview_key(self, job) -> str:
+            return "previews/j-1.png"
+
+        def cancelled(self, job) -> bool:
+            return False
+
+        def complete(self, job, key: str, also: tuple[str, ...] = ()) -> None:
             assert not completed.is_set()
             completed.set()
 
-    def run_job(pipe, params, images, video, **callbacks) -> None:
+    def run_job(pipe, params, images, video, **callbacks):
         assert in_flight.wait(5)  # return while a heartbeat is in flight
         video.write_bytes(b"mp4")
+        return np.zeros((1, 8, 8, 3), np.float32)  # the frames: the thumbnail and spritesheet are made of them
 
     from runtime.serve.limits import Limits
 

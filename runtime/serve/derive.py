@@ -121,6 +121,23 @@ def reference(fields: dict[str, Any], path_id: str | None = None) -> str | None:
     return value["id"]
 
 
+def check_way(op: str, offer: Offer) -> Way:
+    """How this bundle makes route `op`'s job ("remix", "edit", "extend"); a 400 naming the kinds that can where it
+    cannot (before any other check: nothing else about the request matters then)."""
+    if op == "extend":
+        w = way(EXTENDS, offer)
+        if w is None:
+            raise ApiError(400, f"this bundle is {offer.kind.title}: it cannot extend a video (the kinds that extend: "
+                                f"{', '.join(kinds_that(EXTENDS))})", "video")
+        return w
+    w = way(REMAKES, offer)
+    if w is None:
+        raise ApiError(400, f"this bundle is {offer.kind.title}: its videos cannot be remixed or edited (the kinds "
+                            f"that can: {', '.join(kinds_that(REMAKES))}, and text-to-video with the VAE encoder)",
+                       "video")
+    return w
+
+
 def check_fields(body: Body, op: str, offer: Offer) -> None:
     """400 for a field route `op` ("remix", "edit", "extend") does not take, or one this bundle does not; the prompt
     is required (its checks are the create request's)."""
@@ -222,11 +239,7 @@ def _size(source: Source, offer: Offer, fields: dict[str, Any], form: bool) -> s
 
 def remake(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[str, bytes]], dict[str, Any]]:
     """A remix's or an edit's job: (its create request, the files it takes besides, params to add)."""
-    w = way(REMAKES, offer)
-    if w is None:
-        raise ApiError(400, f"this bundle is {offer.kind.title}: its videos cannot be remixed or edited (the kinds "
-                            f"that can: {', '.join(kinds_that(REMAKES))}, and text-to-video with the VAE encoder)",
-                       "video")
+    w = check_way("edit", offer)
     if w.settings_only and source.job is None:
         raise ApiError(400, f"this bundle is {offer.kind.title} without a VAE encoder: it remakes only its own "
                             'completed videos (their seed and settings with the new prompt): pass {"id": VIDEO_ID}, or '
@@ -261,10 +274,7 @@ def remake(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
 
 def extend(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[str, bytes]], dict[str, Any]]:
     """An extension's job: (its create request, the files it takes besides, params to add)."""
-    w = way(EXTENDS, offer)
-    if w is None:
-        raise ApiError(400, f"this bundle is {offer.kind.title}: it cannot extend a video (the kinds that extend: "
-                            f"{', '.join(kinds_that(EXTENDS))})", "video")
+    w = check_way("extend", offer)
     given = dict(body.fields)
     if "seconds" not in given:
         raise ApiError(400, "seconds is required: the length of the new part, one of the durations GET /v1/models "

@@ -141,6 +141,7 @@ def create_app(state: State) -> FastAPI:
                          **oa.errors(400, 408, 413, 415, 429, 503)})
     async def create(request: Request) -> JSONResponse:
         _ready_for_jobs(state)
+        derive.check_way(op, state.offer)
         tenant = request.state.tenant
         # A full queue is answered before the body is read or any of its media decoded: it costs nothing but this.
         await run_in_threadpool(_room, state, tenant)
@@ -362,6 +363,7 @@ def derive_routes(app: FastAPI, state: State) -> None:
 
     async def derived(request: Request, op: str, path_id: str | None = None) -> JSONResponse:
         _ready_for_jobs(state)
+        derive.check_way(op, state.offer)
         tenant = request.state.tenant
         await run_in_threadpool(_room, state, tenant)
         with state.uploads.take():
