@@ -141,7 +141,6 @@ def create_app(state: State) -> FastAPI:
                          **oa.errors(400, 408, 413, 415, 429, 503)})
     async def create(request: Request) -> JSONResponse:
         _ready_for_jobs(state)
-        derive.check_way(op, state.offer)
         tenant = request.state.tenant
         # A full queue is answered before the body is read or any of its media decoded: it costs nothing but this.
         await run_in_threadpool(_room, state, tenant)
