@@ -92,7 +92,8 @@ def test_the_create_request_is_documented_for_json_and_multipart(server: Server)
     assert set(doc["components"]["schemas"]["Error"]["properties"]) == {"error"}
     assert doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
     content = doc["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]
-    assert content["200"]["content"].keys() == {"video/mp4"} and {"404", "409"} <= content.keys()
+    assert content["200"]["content"].keys() == {"video/mp4", "image/webp", "image/jpeg"}  # video, thumbnail, spritesheet
+    assert {"404", "409"} <= content.keys()
     assert doc["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/health"]["get"]
     codes = {code for path in doc["paths"].values() for op in path.values() for code in op["responses"]}
@@ -115,10 +116,10 @@ def test_images_are_files_in_a_form_and_data_urls_in_json() -> None:
         assert schema["required"] == ["prompt", "input_reference", "last_image"]
         assert "guidance_scale_2" not in schema["properties"]  # one expert
     assert form["properties"]["input_reference"]["format"] == "binary"
-    assert plain["properties"]["last_image"]["type"] == "string" and "data URL" in plain["properties"]["last_image"][
-        "description"]
+    last = plain["properties"]["last_image"]  # a data URL, or {"image_url": a data URL}
+    assert [b.get("type") for b in last["anyOf"]] == ["string", "object"] and "data URL" in last["description"]
     image = "data:image/png;base64,AAAA"
-    ok = {"prompt": "a bird", "input_reference": image, "last_image": image}
+    ok = {"prompt": "a bird", "input_reference": image, "last_image": {"image_url": image}}
     jsonschema.validate({**ok, "seconds": "0.5625"}, plain)  # the default size's
     jsonschema.validate({**ok, "size": "32x64", "seconds": "1.0625"}, plain)
     for bad in ({**ok, "size": "32x64", "seconds": "0.5625"}, {**ok, "seconds": "1.0625"}, {"prompt": "a bird"},
