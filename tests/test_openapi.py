@@ -92,7 +92,8 @@ def test_the_create_request_is_documented_for_json_and_multipart(server: Server)
     assert set(doc["components"]["schemas"]["Error"]["properties"]) == {"error"}
     assert doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
     content = doc["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]
-    assert content["200"]["content"].keys() == {"video/mp4", "image/webp", "image/jpeg"}  # video, thumbnail, spritesheet
+    # the video, a thumbnail (WebP), a spritesheet (JPEG)
+    assert content["200"]["content"].keys() == {"video/mp4", "image/webp", "image/jpeg"}
     assert {"404", "409"} <= content.keys()
     assert doc["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/health"]["get"]

@@ -131,9 +131,9 @@ def png(rgb: np.ndarray) -> bytes:
 
 class PreviewWriter:
     """Stores the latest preview a running job offers (`offer`, from the denoising loop: it only hands the array
-    over) under `key`, in a thread of its own; a preview offered while one is being stored replaces the one waiting,
-    so a slow store (an object store's PUT) never holds a step up nor builds a backlog. `close` stores the last one
-    and stops."""
+    over, but for the first, stored at once) under `key`, in a thread of its own; a preview offered while one is being
+    stored replaces the one waiting, so a slow store (an object store's PUT) never holds a step up nor builds a
+    backlog. `close` stores the last one and stops."""
 
     def __init__(self, storage: Any, key: str) -> None:
         self.storage, self.key = storage, key
@@ -145,11 +145,13 @@ class PreviewWriter:
         self._failed = False
 
     def offer(self, rgb: np.ndarray) -> None:
+        if self._thread is None:  # the first is stored now, before the step's progress is: a client that sees
+            self._store(rgb)  # progress finds a preview; then a thread keeps up, off the denoising loop
+            self._thread = threading.Thread(target=self._run, name="wan-aot-preview", daemon=True)
+            self._thread.start()
+            return
         with self._wake:
             self._latest = rgb
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="wan-aot-preview", daemon=True)
-                self._thread.start()
             self._wake.notify()
 
     def _run(self) -> None:
@@ -160,13 +162,16 @@ class PreviewWriter:
                 rgb, self._latest = self._latest, None
                 if rgb is None:
                     return
-            try:
-                self.storage.put(self.key, png(rgb))
-                self.written += 1
-            except Exception as e:  # noqa: BLE001  (a preview is a nicety: the job goes on, one line in the log)
-                if not self._failed:
-                    log.warning("cannot store the live preview %s: %s: %s", self.key, type(e).__name__, e)
-                    self._failed = True
+            self._store(rgb)
+
+    def _store(self, rgb: np.ndarray) -> None:
+        try:
+            self.storage.put(self.key, png(rgb))
+            self.written += 1
+        except Exception as e:  # noqa: BLE001  (a preview is a nicety: the job goes on, one line in the log)
+            if not self._failed:
+                log.warning("cannot store the live preview %s: %s: %s", self.key, type(e).__name__, e)
+                self._failed = True
 
     def close(self, timeout: float = 30.0) -> None:
         with self._wake:
