@@ -319,6 +319,39 @@ def test_claims_are_fenced_and_attempts_are_limited(queue_url: str, tmp_path: Pa
         b.complete(theirs, b.video_key(theirs))
 
 
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_a_cancelled_job_is_never_claimed_again(database: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """In process, two stores on one database (one SQLite file, or PostgreSQL): a job one runs, cancelled through the
+    other, refuses its owner's next write and reads as cancelled (not taken over), and no claim takes it, its lease
+    run out or not; a queued job cancelled is never claimed; a running one deleted reads as cancelled too."""
+    from runtime.serve.jobs import Lost, open_store
+
+    queue = request.getfixturevalue("queue_url") if database == "postgresql" else f"sqlite://{tmp_path / 'q.db'}"
+    a = open_store(tmp_path / "a", queue, None, lease=0.3)
+    b = open_store(tmp_path / "b", queue, None, lease=0.3)
+    try:
+        running = a.add(model="m", size="64x32", seconds="1", prompt="p", params={}, images=[], queue_size=9)
+        queued = a.add(model="m", size="64x32", seconds="1", prompt="q", params={}, images=[], queue_size=9)
+        mine = a.claim()
+        assert mine.id == running.id
+        cancelled = b.cancel(running.id)
+        assert (cancelled.status, cancelled.error_code) == ("failed", "cancelled")
+        with pytest.raises(Lost):
+            a.set_progress(mine, 10)
+        assert not a.heartbeat(mine) and a.cancelled(mine)
+        b.cancel(queued.id)
+        with a.db.transaction(exclusive=False) as tx:  # their leases long run out: a running job would be claimed
+            tx.execute("UPDATE jobs SET heartbeat = 0")
+        assert a.claim() is None and b.claim() is None
+        again = a.add(model="m", size="64x32", seconds="1", prompt="r", params={}, images=[], queue_size=9)
+        theirs = b.claim()
+        assert theirs.id == again.id and a.delete(again.id) is not None and b.cancelled(theirs)
+        assert a.get(running.id).attempts == 1 and a.get(queued.id).attempts == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_lease_stops_heartbeating_a_stalled_job() -> None:
     from runtime.serve.lease import Lease
 

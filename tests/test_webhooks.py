@@ -135,6 +135,11 @@ def test_deliveries_are_signed_per_tenant_and_each_delivered_once(hooked: Server
     while _pending(hooked) and time.time() < deadline:
         time.sleep(0.05)
     assert _pending(hooked) == 0
+    for call in (lambda: bob.videos.remix(done.id, prompt="mine now"),  # another tenant's video is not there
+                 lambda: bob.videos.edit(prompt="mine now", video=openai.omit, extra_body={"video": {"id": done.id}})):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "not_found"
     events = {path: _events(alice, receiver.at(path), secret) for path, secret in (
         ("/alice", mine.signing_secret), ("/bob", theirs.signing_secret), ("/server", SERVER_SECRET))}
     assert {(e["type"], e["data"]["id"]) for e in events["/alice"]} == {("video.completed", done.id),
