@@ -205,6 +205,7 @@ def test_two_replicas_serve_one_queue(fp32_bundles, queue_url: str, tmp_path: Pa
         assert not list(jobs.glob(f"videos/{first.id}*")) and not list(jobs.glob(f"videos/{second.id}*"))
         for server in (runs_first, runs_second):
             assert 'wan_aot_replica_jobs_total{outcome="cancelled"} 1.0' in httpx.get(server.url + "/metrics").text
+            assert "webhooks: cannot" not in server.output()  # their senders poll this database too
     finally:
         a.stop(signal.SIGKILL)
         b.stop(signal.SIGKILL)
