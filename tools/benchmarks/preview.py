@@ -81,7 +81,8 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[Table, di
     table.notes.append("The preview in the loop: the projection of the denoised estimate's middle frame on the "
                        "device, its copy to the host and the hand-over to the server's writer thread, timed inside "
                        "the steps (medians per step); the writer stores it (a PNG) off the loop, but for a job's "
-                       "first. Whole runs with and without previews differ by the machine's noise at small steps.")
+                       "first. Whole runs with and without previews differ by more than that on a shared machine: "
+                       "the other processes' noise.")
     return table, {"workload": workload, "dtype": dtype, "steps": a.steps, "step_s": times, "in_loop_s": in_loop,
                    "handover_s": handover}
 
