@@ -259,7 +259,11 @@ def test_a_replica_stopped_past_its_lease_cannot_overwrite_the_new_owner(fp32_bu
         assert "its result is dropped" in stopped.output(), stopped.output()
         status, attempts, owner, video = _rows(queue_url)[job.id]
         assert (status, attempts, owner, video) == after and owner != first_owner and attempts == 2
-        assert sorted(p.name for p in (jobs / "videos").glob(f"{job.id}*")) == [Path(video).name]
+        from runtime.serve.jobs import derived_keys
+
+        # the new owner's video, thumbnail and spritesheet; none of the stopped one's
+        assert sorted(p.name for p in (jobs / "videos").glob(f"{job.id}*")) == sorted(
+            Path(key).name for key in (video, *derived_keys(video)))
 
 
 def test_replicas_starting_at_once_on_an_empty_database(queue_url: str, tmp_path: Path) -> None:
