@@ -507,7 +507,9 @@ def test_refused_requests_are_labelled_with_their_route_and_405_says_allow(tiny_
 
 def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None:
     """Process 0 serves and owns the queue; process 1 runs each broadcast job with it (2 x 4 CPU devices), in each
-    of the bundle's shapes (the broadcast carries the job's shape: cpu8_bundle has a portrait one)."""
+    of the bundle's shapes (the broadcast carries the job's shape: cpu8_bundle has a portrait one), with the live
+    preview (a global array every process reads); a job cancelled while it runs stops on both processes at the same
+    step (else the next job's collectives would never meet)."""
     bundle = cpu8_bundle
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -522,6 +524,13 @@ def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None
                                                   extra_body={"num_inference_steps": 2, "seed": seed})
             assert video.status == "completed", (video.error, leader.output(), follower.output())
             assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == shape
+        slow = client.videos.create(prompt="stopped on both", extra_body={"num_inference_steps": 400})
+        _running(client, slow.id)
+        client.post(f"/videos/{slow.id}/cancel", cast_to=openai.types.Video)
+        after = client.videos.create_and_poll(prompt="the next one", poll_interval_ms=50,
+                                              extra_body={"num_inference_steps": 2})
+        assert after.status == "completed", (after.error, leader.output(), follower.output())
+        assert "stopped with process 0" in follower.output()
         assert leader.stop(signal.SIGTERM) == 0
         assert follower.proc.wait(timeout=60) == 0, follower.output()
         assert not (tmp_path / "jobs-1").exists()  # only process 0 owns a job store
