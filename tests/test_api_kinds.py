@@ -1,6 +1,6 @@
 """Every kind's API document holds: schemathesis (`--checks all`, drawing real images and videos for the files:
 tests/schemathesis_hooks.py) finds nothing in the create, remix, edit and extension operations of image-to-video,
-video-to-video, VACE and Wan-Animate servers, the operations whose documents differ from kind to kind.
+video-to-video, VACE, Wan-Animate and Lucy Edit servers, the operations whose documents differ from kind to kind.
 
 The app runs in this process, on uvicorn, with the kind's offer (what a bundle of that kind and shape serves, as the
 manifest gives it) and the real request checks (schema.parse_request, the media decoded, the settings' schedule check),
@@ -29,6 +29,7 @@ KINDS = {
     "v2v": ("t2v", (("64x32", 9),), True, (0,)),
     "vace": ("vace", (("64x32", 9),), False, (0, 1)),
     "animate": ("animate", (("64x32", 9),), False, (0,)),
+    "lucy-edit": ("lucy-edit", (("64x32", 9),), False, (0,)),
 }
 
 

@@ -32,7 +32,9 @@ from benchmarks import (  # noqa: E402
     eager,
     export_time,
     fewsteps,
+    fit,
     load,
+    lora,
     preview,
     quantize,
     ready,
@@ -60,6 +62,8 @@ MEASURES = {  # name: (module, the question it answers)
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
     "preview": (preview, "what a live preview (the x0 estimate through a latent-to-RGB map) costs a denoising step"),
     "cancel": (cancel, "the time from a cancel of a running job to the replica's next job, SQLite and PostgreSQL"),
+    "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
+    "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
 }
 
 

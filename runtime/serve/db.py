@@ -47,7 +47,8 @@ _COLUMNS_DDL = """
     owner TEXT,                           -- the replica that claimed it (runtime/serve/jobs.py replica_id)
     heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0,  -- seconds since the epoch, the database's clock
     video TEXT,                           -- storage key of the finished video
-    tenant TEXT NOT NULL DEFAULT 'default'  -- the name of the tenant whose key created it (runtime/serve/tenants.py)
+    tenant TEXT NOT NULL DEFAULT 'default',  -- the name of the tenant whose key created it (runtime/serve/tenants.py)
+    lora_passed INTEGER NOT NULL DEFAULT 0  -- times a replica took a job behind it for its LoRA set (jobs.py claim)
 """
 _SCHEMA = [
     f"CREATE TABLE IF NOT EXISTS jobs ({_COLUMNS_DDL})",
@@ -75,8 +76,10 @@ _SCHEMA = [
         last_error TEXT, done_at DOUBLE PRECISION)""",
     "CREATE INDEX IF NOT EXISTS wan_aot_deliveries_due ON wan_aot_webhook_deliveries (state, next_attempt)",
 ]
-# Columns added since version 1, and what needs them: an upgrade adds those missing.
-_ADDED = (("tenant", "TEXT NOT NULL DEFAULT 'default'"),)
+# Columns added since version 1, and what needs them: every start adds those missing (whatever the version row says).
+# `lora_passed` (LoRA affinity, runtime/serve/loras.py) has no version of its own: it came with version 2, and a
+# replica that knows nothing of it reads and writes the jobs as before (its claims ignore it).
+_ADDED = (("tenant", "TEXT NOT NULL DEFAULT 'default'"), ("lora_passed", "INTEGER NOT NULL DEFAULT 0"))
 _AFTER_ADDED = ["CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)"]
 
 

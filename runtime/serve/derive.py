@@ -45,9 +45,10 @@ from .schema import BY_NAME, Body, Offer, check_video, seconds_of
 
 SOURCE_ROLES = ("source", "remake")  # a derived job's files: the video extended (joined in front) or remade (noised)
 DEFAULT_STRENGTH = 0.8
-# What a derived request may set besides its prompt (and seconds, for extensions); the rest comes from the source.
+# What a derived request may set besides its prompt (and seconds, for extensions); the rest comes from the source
+# (its LoRA set too, where this server still offers it: the tenant's adapters are checked as a create request's).
 SETTINGS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift",
-            "sampler", "sigmas", "fps", "conditioning_scale")
+            "sampler", "sigmas", "fps", "conditioning_scale", "lora")
 # Each route's fields (besides the source: the remix's path, `video` / `video[id]` for the others).
 FIELDS_OF = {"remix": ("prompt", "strength", *SETTINGS), "edit": ("prompt", "size", "strength", *SETTINGS),
              "extend": ("prompt", "seconds", "size", *SETTINGS)}

@@ -34,14 +34,19 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
             on_step_time: Callable[[float], None] = lambda s: None,
             on_stage: Callable[[str], None] = lambda stage: None,
             on_preview: Callable[[Any], None] = lambda rgb: None,
-            check: Callable[[], None] = lambda: None) -> Any:
+            check: Callable[[], None] = lambda: None,
+            on_lora: Callable[[dict[str, Any] | None], None] = lambda switched: None) -> Any:
     """Generate one job's video (every process of a multi-host job runs this, with the same callbacks called at the
     same points; only process 0 writes) and return its frames (F, H, W, 3) in [0, 1]. `on_progress` follows the
     denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode"), `on_preview` gets each step's
-    estimate of the middle frame (Pipeline.denoise); `check` runs after every step and stage and raises to stop."""
+    estimate of the middle frame (Pipeline.denoise); `check` runs after every step and stage and raises to stop;
+    `on_lora` gets the job's LoRA set taken up (what the switch did, or None where the weights held it already)."""
     from ..magcache import MagCache
     from ..video import write_video
+    from .loras import specs
 
+    # the server's own --lora adapters, then the job's: switched to only where the weights hold another set
+    on_lora(pipe.use_loras([*pipe.base_loras, *specs(params.get("lora"))]))
     media = derive.sources(params, media_of(params, image_bytes))
     s = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"],
                       params.get("sampler"), params.get("sigmas"))
@@ -123,8 +128,8 @@ def worker(state: State) -> None:
     """Run queued jobs one at a time until draining; every failure is recorded on its job."""
     store = state.store
     while not state.draining.is_set():
-        try:
-            job = store.claim()
+        try:  # with adapters offered, preferring a job of the set the weights hold (jobs.py, loras.py)
+            job = store.claim(state.lora_key if state.settings.loras else None, state.settings.lora_affinity_max)
         except Exception as e:  # noqa: BLE001  (the database is away for a moment: try again, stay up)
             log.warning("cannot claim a job: %s: %s", type(e).__name__, e)
             job = None
@@ -148,6 +153,18 @@ def _run(state: State, job: Job) -> None:
     failed finds it no longer in progress and would read as a takeover."""
     store, m = state.store, state.metrics
     log.info("job %s: started (attempt %d)", job.id, job.attempts)
+
+    def lora_taken(switched: dict[str, Any] | None) -> None:
+        from .loras import set_key
+
+        state.lora_key = set_key(job.params.get("lora"))
+        if switched is not None:
+            log.info("job %s: LoRA set %s, switched to in %.3f s (%d tensors merged again)", job.id, switched["set"],
+                     switched["seconds"], switched["tensors"])
+            if m:
+                m.lora_switches.inc()
+                m.lora_switch_seconds.observe(switched["seconds"])
+
     t0 = time.perf_counter()
     failure: tuple[str, str] | None = None
     cancelled = False
@@ -202,7 +219,7 @@ def _run(state: State, job: Job) -> None:
             key = store.video_key(job)
             with store.storage.writer(key, ".mp4") as video:
                 frames = run_job(state.pipe, job.params, images, video, on_progress=progress, on_step_time=step_time,
-                                 on_stage=stage, on_preview=writer.offer, check=check)
+                                 on_stage=stage, on_preview=writer.offer, check=check, on_lora=lora_taken)
             also = derived_keys(key)
             for derived, data in zip(also, thumbnails.derive(frames), strict=True):
                 store.storage.put(derived, data)
