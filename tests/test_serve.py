@@ -736,7 +736,11 @@ def test_ctrl_c_in_generate_leaves_no_file(fp32_bundles, tmp_path: Path) -> None
     one line and status 130, and no mp4 (nor a partial one) is left."""
     out = tmp_path / "out" / "video.mp4"
     out.parent.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]),
+    # SIGINT's Python handler put back first: a shell's background job (`pytest ... &`) starts with SIGINT ignored,
+    # which the child would inherit (and, rightly, keep), so the test would not test Ctrl-C
+    interruptible = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'runtime'; runpy.run_module('runtime', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", interruptible, "generate", str(fp32_bundles["tiny-64x32-f9"]),
                              "--prompt", "a fox", "--steps", "1000", "--out", str(out)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
