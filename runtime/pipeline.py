@@ -12,7 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import adapters, animate, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
+from . import (
+    adapters,
+    animate,
+    conditioning,
+    host_memory,
+    images,
+    kinds,
+    previews,
+    samplers,
+    scheduler,
+    signatures,
+    video_input,
+)
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -404,7 +416,7 @@ class Pipeline:
                 magcache: MagCache | None = None, size: Size = None, frames: int | None = None,
                 sampler: str | None = None, sigmas: Sequence[float] | None = None,
                 conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
-                noise: np.ndarray | None = None) -> np.ndarray:
+                noise: np.ndarray | None = None, on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s), what the VAE decodes.
 
         The shape is that of `latents` if given; else `size` x `frames`; else, with image conditioning in `embeds`,
@@ -415,7 +427,10 @@ class Pipeline:
         `guidance_2`, default `guidance`) below the boundary timestep, as diffusers does. Steps whose
         guidance is <= 1 run the DiT on the prompt alone. `magcache` skips the transformer blocks on the
         steps its schedule says (runtime/magcache.py). `sampler` and `sigmas`: see `settings`.
-        `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
+        `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it). `on_preview(rgb)`
+        gets, before it, the step's estimate of the video's middle frame: uint8 (h, w, 3) at the latents' resolution,
+        from the denoised estimate the scheduler holds, through a fixed linear map (runtime/previews.py; bundles whose
+        latents have no such map get none).
 
         VACE: `conditioning_scale` (default 1), a number or one per VACE layer, scales the VACE blocks' hints.
         Video-to-video (embeds with `video_latents`): `strength` in (0, 1] (default 0.8, diffusers') picks the step
@@ -425,7 +440,8 @@ class Pipeline:
         """
         return self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, on_step, guidance_2,
                              magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
-                             conditioning_scale=conditioning_scale, strength=strength, noise=noise)
+                             conditioning_scale=conditioning_scale, strength=strength, noise=noise,
+                             on_preview=on_preview)
 
     def calibrate(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, flow_shift: float | None = None, latents: np.ndarray | None = None,
@@ -449,7 +465,7 @@ class Pipeline:
                  calibration: list[float] | None = None, size: Size = None, frames: int | None = None,
                  stop_after: int | None = None, sampler: str | None = None,
                  sigmas: Sequence[float] | None = None, conditioning_scale: Any = None, strength: float | None = None,
-                 noise: np.ndarray | None = None) -> np.ndarray:
+                 noise: np.ndarray | None = None, on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         if magcache is not None and not isinstance(magcache, MagCache):
             raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
@@ -495,6 +511,7 @@ class Pipeline:
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         residual = norms = None
         expert_before = -1
+        preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
         for i in tqdm(range(run), desc="denoising", unit="step", disable=not progress or not is_primary()):
             name = programs[i]
             variant = kinds.denoise_variant(name)
@@ -521,6 +538,8 @@ class Pipeline:
                 now = fetch(jnp.linalg.norm(residual[: g.batch].astype(jnp.float32), axis=-1))
                 calibration.append(magcache_rule.calibration_ratio(now, norms if e == expert_before else None))
                 norms, expert_before = now, e
+            if preview is not None:
+                on_preview(preview(state_dev))  # type: ignore[misc]
             if on_step is not None:
                 on_step(i)
             if stop_after is not None and i + 1 == stop_after:
@@ -530,7 +549,7 @@ class Pipeline:
 
     def start_step(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None) -> int:
         """The first of the schedule's steps a run takes: 0, or for video-to-video (embeds with `video_latents`) the
-        one `strength` picks (samplers.start_step); UserError for a bad strength or one that leaves no step."""
+        one `strength` picks (samplers.start_step: at least the last step runs); UserError for a bad strength."""
         if "video_latents" not in embeds:
             if strength is not None:
                 raise UserError("strength is for video-to-video: a source video given to a bundle exported with "
@@ -539,10 +558,7 @@ class Pipeline:
         strength = 0.8 if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
             raise UserError(f"strength must be a number in (0, 1], got {strength!r}")
-        start = samplers.start_step(s.steps, strength)
-        if start >= s.steps:
-            raise UserError(f"strength {strength:g} of {s.steps} steps runs no step: raise the strength or the steps")
-        return start
+        return samplers.start_step(s.steps, strength)
 
     def steps_run(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None = None) -> int:
         """The denoising steps a run of `s` takes: the schedule's from start_step on (video-to-video runs only the
@@ -693,6 +709,7 @@ class Pipeline:
                  background_video: VideoInput | None = None, mask_video: VideoInput | None = None,
                  prev_segment_frames: int = 1,
                  on_step: Callable[[int, int], None] | None = None,
+                 on_preview: Callable[[np.ndarray], None] | None = None,
                  loras: Sequence[adapters.LoraSpec] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
@@ -704,7 +721,8 @@ class Pipeline:
         images), a list of PIL images or an (F, H, W, 3) array (runtime/video_input.py).
         `low_memory`: drop each stage's weights once the run is past it (`unload_before`), as a process making one
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
-        again. `on_step(done, total)` follows the denoising steps.
+        again. `on_step(done, total)` follows the denoising steps; `on_preview(rgb)` gets each step's estimate of the
+        video's middle frame (see `denoise`).
 
         Wan-Animate bundles (runtime/animate.py): `image` (the character), `pose_video` and `face_video`, `mode`
         ("animate", or "replace" with `background_video` and `mask_video`), `prev_segment_frames` (1 or 5); the video
@@ -724,7 +742,7 @@ class Pipeline:
             return animate.generate(self, prompt, negative_prompt, image, pose_video, face_video, mode,
                                     background_video, mask_video, prev_segment_frames, seed, steps, guidance,
                                     flow_shift, guidance_2, sampler, sigmas, latents, progress, magcache, size,
-                                    frames, low_memory, on_step)
+                                    frames, low_memory, on_step, on_preview)
         given = [k for k, v in animated.items() if v is not None]
         if given:
             raise UserError(f"this bundle is {self.kind.title}: {given[0]} is for Wan-Animate models")
@@ -751,7 +769,7 @@ class Pipeline:
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
                                magcache=magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
                                conditioning_scale=conditioning_scale, strength=strength, noise=noise,
-                               on_step=step_done)
+                               on_step=step_done, on_preview=on_preview)
             if low_memory:
                 self.unload_before("decode")
             return self.decode(out)
