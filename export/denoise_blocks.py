@@ -29,6 +29,7 @@ value, (VACE layers, B, S, dim); block i adds hint `vace_index(module)[i]` after
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,7 @@ def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | 
         box: dict[str, Any] = {}
         hints: list[Any] = []
 
-        def first(hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_emb: Any) -> Any:
+        def first(hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_emb: Any, *mask: Any) -> Any:
             box["args"] = (hidden_states, encoder_hidden_states, temb, rotary_emb)
             return hidden_states
 
@@ -107,6 +108,10 @@ def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vac
     if carry.placeholder is None:
         raise AssertionError("export the head before the block program")
     n_img = cross_kv.image_tokens(carry.placeholder[0][1]) if image else 0  # the placeholder spans all tokens
+    # SkyReels-V2's block takes a self-attention mask (diffusers' dense block-causal one; None here: the programs
+    # that need one make it in attention, export/attention.py block_causal)
+    block_kwargs = {"attention_mask": None} if "attention_mask" in inspect.signature(
+        type(ex_block.module).forward).parameters else {}
 
     def run(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
             layer: jax.Array) -> jax.Array:
@@ -115,7 +120,7 @@ def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vac
         shape, dtype = carry.placeholder
         rotary = tuple(rope) if carry.rope_tuple else rope[0]  # tuple(array) splits the stacked axis
         with cross_kv.block_precomputed(ex_block.module, ex_block.env, mine, n_img, pad_rows):
-            return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), {})
+            return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), block_kwargs)
 
     if vace is None:
         return run
