@@ -128,7 +128,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 # 5 for image conditioning, as diffusers' examples set it.
 _I2V_1_3B = dict(in_channels=36, image_dim=1280, added_kv_proj_dim=1536)
 ARCHITECTURES.update({
-    "skyreels-v2-df-1.3b-540p": _arch("SkyReelsV2DiffusionForcingPipeline", "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
+    "skyreels-v2-df-1.3b-540p": _arch("SkyReelsV2DiffusionForcingPipeline",
+                                      "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
                                       _transformer(12, 8960, 30, inject_sample_info=True), flow_shift=8.0),
     "skyreels-v2-df-14b-540p": _arch("SkyReelsV2DiffusionForcingPipeline", "Skywork/SkyReels-V2-DF-14B-540P-Diffusers",
                                      _transformer(40, 13824, 40), flow_shift=8.0),

@@ -42,7 +42,8 @@ _VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, tem
 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
-# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "skyreels-t2v" | "skyreels-i2v" | "skyreels-df"), experts (2: transformer_2 with boundary_ratio),
+# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "skyreels-t2v" | "skyreels-i2v" |
+# "skyreels-df"), experts (2: transformer_2 with boundary_ratio),
 # expand_timesteps, image_encoder (a CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -203,8 +204,9 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
     if spec.get("expand_timesteps"):
         parts["expand_timesteps"] = True
     if pipeline in ("t2v", "vace", "v2v", "skyreels-t2v", "skyreels-df"):
-        return {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline,
-                "skyreels-t2v": SkyReelsV2Pipeline, "skyreels-df": SkyReelsV2DiffusionForcingPipeline}[pipeline](**parts)
+        cls = {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline,
+               "skyreels-t2v": SkyReelsV2Pipeline, "skyreels-df": SkyReelsV2DiffusionForcingPipeline}[pipeline]
+        return cls(**parts)
     if "image_encoder" in spec:  # (Animate's pipeline takes it too)
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 

@@ -22,7 +22,7 @@ from .errors import BundleError, UserError
 from .magcache import MagCache
 from .video import write_video
 
-_LAZY = {"Pipeline": ".pipeline", "load": ".pipeline", "enable_compilation_cache": ".cache"}
+_LAZY = {"Pipeline": ".front", "load": ".front", "enable_compilation_cache": ".cache"}
 _NAMES = {"enable_compilation_cache": "enable"}
 
 __all__ = ["BundleError", "MagCache", "Pipeline", "UserError", "enable_compilation_cache", "load", "write_video"]

@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     from . import cache, distributed
     from . import intermediates as im
     from .files import check_writable
-    from .pipeline import load
+    from .front import load
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
     if not args.no_cache:
@@ -482,7 +482,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from . import distributed
     from .errors import UserError
-    from .pipeline import load
+    from .front import load
     from .serve import follower as mh
     from .serve.access import server_names
     from .serve.limits import Limits

@@ -1,4 +1,7 @@
-"""encode -> denoise -> decode on a bundle, with no torch anywhere."""
+"""encode -> denoise -> decode on a bundle, with no torch anywhere: the one-segment engine.
+
+The loops over segments (Wan-Animate's runtime/animate.py, diffusion forcing's runtime/forcing.py) run above it, on
+its methods; runtime/front.py's `generate` picks the loop by kind. Nothing this module imports imports them."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import animate, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
+from . import conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -325,6 +328,20 @@ class Pipeline:
         """The names of program `program`'s inputs, in the order it takes them."""
         return signatures.call_order(program, self.kind, self.manifest.programs[program]).inputs
 
+    def program_inputs(self, program: str) -> tuple[str, ...]:
+        """The names of program `program`'s inputs, in call order (runtime/signatures.py)."""
+        return self._inputs(program)
+
+    def prompt_kv(self, context: np.ndarray, expert: int, rows: int | None,
+                  extras: dict[str, np.ndarray] | None = None) -> Any:
+        """The cross-attention keys and values of expert `expert` (on the devices) of `context`, the (2B, L, D) prompt
+        then negative prompt embeddings (their first `rows` rows, `text_rows`), and of the CLIP kinds' image
+        embeddings in `extras`: what every denoising step of a run takes as its `kv`, computed once."""
+        if rows is not None:
+            context = context[:, :rows]
+        return self.bundle.call(kinds.cross_kv_program(expert, rows))(
+            context, *[(extras or {})[n] for n in self.kind.kv_inputs[1:]])
+
     def text_rows(self, context: np.ndarray, programs: Sequence[str] = ()) -> int | None:
         """The rows of the (2B, L, D) embeddings `context` that the steps' cross-attention needs keys and values
         of: the shortest T of this bundle's cross_kv_t<T> programs (CPU bundles; export/cross_kv.py) after which
@@ -478,9 +495,7 @@ class Pipeline:
             text = ("kv", e) if with_kv else variant.cfg
             if text not in contexts_dev:
                 if with_kv:  # once per prompt and expert: every step's cross-attention keys and values
-                    context = contexts[True] if rows is None else contexts[True][:, :rows]
-                    kv_inputs = [context, *[extras[n] for n in self.kind.kv_inputs[1:]]]
-                    contexts_dev[text] = self.bundle.call(kinds.cross_kv_program(e, rows))(*kv_inputs)
+                    contexts_dev[text] = self.prompt_kv(contexts[True], e, rows, extras)
                 else:
                     contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
             values = {"state": state_dev, "kv": contexts_dev[text], "context": contexts_dev[text],
@@ -591,17 +606,33 @@ class Pipeline:
         """float32 frames (B, F, H, W, 3) in [0, 1], at the shape of the latents (the video's: what `denoise`
         returns)."""
         latents = np.asarray(latents, np.float32)
-        g = self.shape_of_latents(latents.shape, video=True)
+        g = self.decode_shape(latents.shape)
         host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
         first = self.bundle.call(self._at("vae_decode_first", g))
         frames, caches = first(latents[:, :, 0:1])
         chunks = [frames]
-        if g.latent_frames > 1:
+        if latents.shape[2] > 1:
             nxt = self.bundle.call(self._at("vae_decode_next", g))
-            for t in range(1, g.latent_frames):
+            for t in range(1, latents.shape[2]):
                 frames, caches = nxt(latents[:, :, t:t + 1], *caches)
                 chunks.append(frames)
         return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
+
+    def decode_shape(self, shape: tuple[int, ...]) -> mf.Geometry:
+        """The bundle shape whose VAE decoder decodes video latents of `shape` (B, z, T, h, w): the one they are the
+        video latents of, or (diffusion forcing's videos of any length: the decoder's programs take one latent frame
+        at a time) one of their size, if it decodes more than one frame where T does. UserError otherwise."""
+        shape = tuple(shape)
+        for g in self.manifest.shapes:
+            if shape == g.video_latent_shape:
+                return g
+        if len(shape) == 5:
+            for g in self.manifest.shapes:
+                b, z, _, h, w = g.video_latent_shape
+                if (b, z, h, w) == (shape[0], shape[1], shape[3], shape[4]) and \
+                        (shape[2] == 1 or self._at("vae_decode_next", g) in self.manifest.programs):
+                    return g
+        return self.shape_of_latents(shape, video=True)  # raises, naming the shapes
 
     def unload_before(self, stage: str) -> None:
         """Drop the weights (and compiled calls) that no program of `stage` or a later stage (kinds.PIPELINE_STAGES)
@@ -659,10 +690,7 @@ class Pipeline:
                  sigmas: Sequence[float] | None = None, video: VideoInput | None = None,
                  mask: VideoInput | None = None, reference_images: Sequence[ImageInput] | None = None,
                  conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
-                 noise: np.ndarray | None = None, pose_video: VideoInput | None = None,
-                 face_video: VideoInput | None = None, mode: str = "animate",
-                 background_video: VideoInput | None = None, mask_video: VideoInput | None = None,
-                 prev_segment_frames: int = 1,
+                 noise: np.ndarray | None = None,
                  on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
@@ -676,22 +704,9 @@ class Pipeline:
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
         again. `on_step(done, total)` follows the denoising steps.
 
-        Wan-Animate bundles (runtime/animate.py): `image` (the character), `pose_video` and `face_video`, `mode`
-        ("animate", or "replace" with `background_video` and `mask_video`), `prev_segment_frames` (1 or 5); the video
-        has the pose video's frame count, made in segments of the shape's frames; `latents` is one initial noise per
-        segment (a list), or the first segment's."""
+        One bundle shape, one segment: what runtime/front.py's `generate` runs for the kinds without a loop of their
+        own (kinds.Kind.loop)."""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
-        animated = {"pose_video": pose_video, "face_video": face_video, "background_video": background_video,
-                    "mask_video": mask_video}
-        if self.kind.animate:
-            kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
-            return animate.generate(self, prompt, negative_prompt, image, pose_video, face_video, mode,
-                                    background_video, mask_video, prev_segment_frames, seed, steps, guidance,
-                                    flow_shift, guidance_2, sampler, sigmas, latents, progress, magcache, size,
-                                    frames, low_memory, on_step)
-        given = [k for k, v in animated.items() if v is not None]
-        if given:
-            raise UserError(f"this bundle is {self.kind.title}: {given[0]} is for Wan-Animate models")
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)
         g = self.denoise_shape({}, latents, size, frames) if latents is not None else \
