@@ -1,4 +1,4 @@
-"""Initial noise of segmented runs (runtime/animate.py, runtime/forcing.py): given per segment, or drawn from the seed."""
+"""Initial noise of segmented runs (runtime/animate.py, runtime/forcing.py): given per segment, or from the seed."""
 
 from __future__ import annotations
 
