@@ -196,10 +196,11 @@ def check_plan(p: Plan, counts: list[int], g: mf.Geometry, num_frames: int, fiel
         if seg.dit_frames not in counts:
             made = ", ".join(str(pixel_count(n, g.temporal_scale)) for n in counts)
             end = " (with the last image)" if seg.end else ""
-            raise InputError(f"{num_frames} frames need {which}{end} to be {pixel_count(seg.dit_frames)} frames, and "
+            raise InputError(f"{num_frames} frames need {which}{end} to be {pixel_count(seg.dit_frames, g.temporal_scale)} "
+                             f"frames, and "
                              f"this bundle's shapes at {g.size} have {made}: ask for "
                              f"{suggest(counts, p, g.temporal_scale)}, or export the bundle with --frames "
-                             f"{','.join(map(str, sorted({g.frames, pixel_count(seg.dit_frames)})))}", field)
+                             f"{g.frames},{pixel_count(seg.dit_frames, g.temporal_scale)}", field)
 
 
 def suggest(counts: list[int], p: Plan, temporal_scale: int) -> str:

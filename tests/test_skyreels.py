@@ -1,0 +1,256 @@
+"""SkyReels-V2 against diffusers' SkyReelsV2 pipelines on tiny random models saved with save_pretrained, exported
+with the CLI (tests/conftest.py SKYREELS_CASES), fp32: frames within 1e-4 with the same initial noise per segment
+(`latents`, one per segment; diffusers' draws replaced by them) and the same re-noise of carried-over frames
+(addnoise_condition: the runtime's draws replayed for torch.randn_like).
+
+Diffusion forcing covers one segment, three overlapping segments (the last shorter), the asynchronous mode
+(ar_step 2, causal blocks of 2) over two segments, image-to-video with a last image, and video extension; then the
+asynchronous run on 8 fake devices, and the bad settings (one line, exit 2)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import forcing
+
+from .conftest import run_cli, run_module, test_image
+
+PROMPT = "a robot walking in the city at night, cinematic"
+NEGATIVE = "blurry, low quality"
+FP32_TOL = 1e-4
+STEPS = 4  # UniPC at 4 steps: order 2 and the corrector both run (the per-frame history matters)
+DF_MODULES = ("pipeline_skyreels_v2_diffusion_forcing", "pipeline_skyreels_v2_diffusion_forcing_i2v",
+              "pipeline_skyreels_v2_diffusion_forcing_v2v")
+
+
+@pytest.fixture(autouse=True)
+def plain_ftfy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' SkyReels pipelines call ftfy.fix_text unconditionally; it is not installed here, and the runtime's
+    prompt cleaning skips it when absent (as diffusers' Wan pipelines do)."""
+    import importlib
+
+    for name in ("pipeline_skyreels_v2", "pipeline_skyreels_v2_i2v", *DF_MODULES):
+        module = importlib.import_module(f"diffusers.pipelines.skyreels_v2.{name}")
+        monkeypatch.setattr(module, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
+
+
+@pytest.fixture(scope="module")
+def df(skyreels_bundles) -> runtime.Pipeline:
+    return runtime.load(skyreels_bundles["skyreels-df"])
+
+
+def _noise(frames: list[int], seed: int = 0) -> list[np.ndarray]:
+    """One initial noise per segment (latent frames each), at the tiny DF bundle's 64x32."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, 16, n, 4, 8)).astype(np.float32) for n in frames]
+
+
+class Replay:
+    """diffusers' random draws replaced: each segment's initial noise (randn_tensor) by `noise` in order, and the
+    re-noise of carried-over frames (torch.randn_like) by what the runtime drew (`record` around its run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, noise: list[np.ndarray]) -> None:
+        self.monkeypatch, self.noise, self.renoise = monkeypatch, list(noise), []
+
+    def record(self) -> None:
+        draw = forcing.prefix_noise
+
+        def recorded(seed: int, segment: int, row: int, shape: tuple[int, ...]):
+            out = draw(seed, segment, row, shape)
+            self.renoise.append(np.asarray(out))
+            return out
+
+        self.monkeypatch.setattr(forcing, "prefix_noise", recorded)
+
+    def install(self) -> None:
+        import importlib
+
+        import torch
+
+        def randn_tensor(shape, generator=None, device=None, dtype=None, layout=None):
+            a = self.noise.pop(0)
+            assert tuple(a.shape) == tuple(shape), (a.shape, shape)
+            return torch.from_numpy(a.copy())
+
+        def randn_like(x, *args, **kwargs):
+            a = self.renoise.pop(0)[:, :, : x.shape[2]]  # the pinned frames' share
+            assert tuple(a.shape) == tuple(x.shape), (a.shape, x.shape)
+            return torch.from_numpy(np.ascontiguousarray(a))
+
+        for name in DF_MODULES:
+            module = importlib.import_module(f"diffusers.pipelines.skyreels_v2.{name}")
+            self.monkeypatch.setattr(module, "randn_tensor", randn_tensor)
+        self.monkeypatch.setattr(torch, "randn_like", randn_like)
+
+    def done(self) -> None:
+        assert not self.noise and not self.renoise, "diffusers drew less than the runtime"
+
+
+def _reference(checkpoint: Path, cls: str):
+    import diffusers
+    import torch
+
+    ref = getattr(diffusers, cls).from_pretrained(str(checkpoint), dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    return ref
+
+
+def _diffusers_df(checkpoint: Path, cls: str, replay: Replay, **call) -> np.ndarray:
+    import torch
+
+    replay.install()
+    with torch.no_grad():
+        out = _reference(checkpoint, cls)(prompt=PROMPT, negative_prompt=NEGATIVE, height=32, width=64,
+                                          num_inference_steps=STEPS, guidance_scale=6.0, max_sequence_length=16,
+                                          output_type="np", **call).frames
+    replay.done()
+    return out
+
+
+def _close(ours: np.ndarray, ref: np.ndarray, frames: int) -> None:
+    assert ours.shape == ref.shape == (1, frames, 32, 64, 3)
+    assert np.abs(ours - ref).max() <= FP32_TOL
+    assert ours.std() > 1e-3  # not trivially equal
+
+
+@pytest.mark.parametrize("kind", ["skyreels-t2v", "skyreels-i2v"])
+def test_text_and_image_to_video_match_diffusers(kind: str, skyreels_bundles, skyreels_checkpoints) -> None:
+    """SkyReelsV2Pipeline and SkyReelsV2ImageToVideoPipeline: Wan 2.1's loop on SkyReels' DiT (its float64 timestep
+    sinusoid runs in float32 in the programs: 3e-6 of a step's velocity on this model)."""
+    import torch
+
+    pipe = runtime.load(skyreels_bundles[kind])
+    assert pipe.kind.name == kind and pipe.kind.fps == 24
+    images = {"image": test_image(70, 50, seed=1)} if kind == "skyreels-i2v" else {}
+    init = pipe.initial_latents(11)
+    ours = pipe.generate(PROMPT, NEGATIVE, seed=11, steps=STEPS, progress=False, **images)
+    g = pipe.geometry
+    ref = _reference(skyreels_checkpoints[f"tiny-{kind}"],
+                     {"skyreels-t2v": "SkyReelsV2Pipeline", "skyreels-i2v": "SkyReelsV2ImageToVideoPipeline"}[kind])
+    with torch.no_grad():
+        want = ref(prompt=PROMPT, negative_prompt=NEGATIVE, height=g.height, width=g.width, num_frames=g.frames,
+                   num_inference_steps=STEPS, guidance_scale=pipe.manifest.defaults.guidance,
+                   max_sequence_length=g.max_sequence_length, latents=torch.from_numpy(init.copy()), output_type="np",
+                   **images).frames
+    assert ours.shape == want.shape == (1, g.frames, g.height, g.width, 3)
+    assert np.abs(ours - want).max() <= FP32_TOL and ours.std() > 1e-3
+
+
+def test_df_text_to_video_in_one_segment(df, skyreels_checkpoints, monkeypatch) -> None:
+    replay = Replay(monkeypatch, _noise([5]))
+    ours = df.generate(PROMPT, NEGATIVE, num_frames=17, latents=replay.noise, steps=STEPS, progress=False)
+    _close(ours, _diffusers_df(skyreels_checkpoints["tiny-skyreels-df"], "SkyReelsV2DiffusionForcingPipeline", replay,
+                               num_frames=17, base_num_frames=17), 17)
+
+
+def test_df_text_to_video_over_three_overlapping_segments(df, skyreels_checkpoints, monkeypatch) -> None:
+    """37 frames (10 latent) in segments of 5 overlapping by 2 (overlap_history 5): 5, 5 and a shorter last 4, run on
+    the bundle's 13-frame shape; the carried-over frames re-noised (addnoise_condition 20)."""
+    replay = Replay(monkeypatch, _noise([5, 5, 4], seed=1))
+    plan = forcing.plan(10, 5, 5)
+    assert [(s.frames, s.prefix) for s in plan.segments] == [(5, 0), (5, 2), (4, 2)]
+    replay.record()
+    ours = df.generate(PROMPT, NEGATIVE, num_frames=37, overlap_history=5, addnoise_condition=20,
+                       latents=replay.noise, seed=2, steps=STEPS, progress=False)
+    assert len(replay.renoise) == 2 * STEPS  # every row of the two segments with carried-over frames
+    _close(ours, _diffusers_df(skyreels_checkpoints["tiny-skyreels-df"], "SkyReelsV2DiffusionForcingPipeline", replay,
+                               num_frames=37, base_num_frames=17, overlap_history=5, addnoise_condition=20), 37)
+
+
+ASYNC = dict(num_frames=21, frames=13, overlap_history=5, ar_step=2, causal_block_size=2, addnoise_condition=20)
+
+
+@pytest.fixture(scope="module")
+def async_noise() -> list[np.ndarray]:
+    return _noise([4, 4], seed=3)
+
+
+def test_df_asynchronous_mode(df, skyreels_checkpoints, async_noise, monkeypatch, tmp_path: Path) -> None:
+    """ar_step 2, causal blocks of 2 latent frames: segments of 13 frames (4 latent, 2 blocks: 4 + 2 rows), 21 frames
+    in two; block-causal self-attention. Then the same run through the CLI on 8 fake devices (cpu-8 bundle: the causal
+    mask across the sequence shards) gives the same frames."""
+    replay = Replay(monkeypatch, async_noise)
+    assert len(forcing.timestep_matrix(4, STEPS, 2, 0, 2)[0]) == STEPS + 2
+    replay.record()
+    ours = df.generate(PROMPT, NEGATIVE, latents=replay.noise, seed=4, steps=STEPS, progress=False, **ASYNC)
+    want = _diffusers_df(skyreels_checkpoints["tiny-skyreels-df"], "SkyReelsV2DiffusionForcingPipeline", replay,
+                         num_frames=21, base_num_frames=13, overlap_history=5, ar_step=2, causal_block_size=2,
+                         addnoise_condition=20)
+    _close(ours, want, 21)
+    sync = df.generate(PROMPT, NEGATIVE, latents=async_noise, seed=4, steps=STEPS, progress=False,
+                       **{**ASYNC, "ar_step": 0, "causal_block_size": None})
+    assert np.abs(sync - ours).max() > 1e-2  # the mode is used
+
+
+def test_df_asynchronous_mode_on_8_devices(df, skyreels_bundles, tmp_path: Path) -> None:
+    """The CLI (--frames beyond the shape, --overlap-history, --ar-step, --causal-block-size, --addnoise-condition) on
+    the cpu-8 bundle (dp=2, sp=2, tp=2) with 8 fake devices: 1 device's frames (the noise from the seed)."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "eight.safetensors"
+    run_module("runtime", "generate", str(skyreels_bundles["skyreels-df-cpu8"]), "--prompt", PROMPT,
+               "--negative-prompt", NEGATIVE, "--frames", "21", "--overlap-history", "5", "--ar-step", "2",
+               "--causal-block-size", "2", "--addnoise-condition", "20", "--steps", str(STEPS), "--seed", "4",
+               "--out", str(tmp_path / "eight.mp4"), "--frames-out", str(out), "-q",
+               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    one = df.generate(PROMPT, NEGATIVE, seed=4, steps=STEPS, progress=False, **ASYNC)
+    eight = load_file(str(out))["frames"]
+    assert eight.shape == one.shape == (1, 21, 32, 64, 3)
+    assert np.abs(eight - one).max() <= 1e-5
+
+
+def test_df_image_to_video_with_a_last_image(df, skyreels_checkpoints, monkeypatch) -> None:
+    """The image's latent pinned as frame 0, the last image's after the segment's 4 latent frames (run on the 17-frame
+    shape), dropped before the decode."""
+    images = {"image": test_image(70, 50, seed=1), "last_image": test_image(40, 64, seed=2)}
+    replay = Replay(monkeypatch, _noise([4], seed=5))
+    ours = df.generate(PROMPT, NEGATIVE, num_frames=13, frames=13, latents=replay.noise, steps=STEPS, progress=False,
+                       **images)
+    want = _diffusers_df(skyreels_checkpoints["tiny-skyreels-df"], "SkyReelsV2DiffusionForcingImageToVideoPipeline",
+                         replay, num_frames=13, base_num_frames=13, **images)
+    _close(ours, want, 13)
+
+
+def test_df_video_extension(df, skyreels_checkpoints, monkeypatch) -> None:
+    """A 12-frame source: its last 5 frames' latents pinned (overlap_history 5), 29 frames (8 latent) in two segments;
+    the output is the source followed by the 29 decoded frames, as diffusers returns it."""
+    source = [test_image(64, 32, seed=10 + i) for i in range(12)]
+    replay = Replay(monkeypatch, _noise([5, 5], seed=6))
+    ours = df.generate(PROMPT, NEGATIVE, video=source, num_frames=29, overlap_history=5, latents=replay.noise,
+                       steps=STEPS, progress=False)
+    want = _diffusers_df(skyreels_checkpoints["tiny-skyreels-df"], "SkyReelsV2DiffusionForcingVideoToVideoPipeline",
+                         replay, video=source, num_frames=29, base_num_frames=17, overlap_history=5)
+    _close(ours, want, 12 + 29)
+    np.testing.assert_allclose(ours[0, :12], np.stack([np.asarray(f, np.float32) / 255 for f in source]), atol=1e-6)
+
+
+BAD = [
+    (["--frames", "37", "--overlap-history", "17"], "overlap_history 17 is 5 latent frames, which leaves no new"),
+    (["--frames", "37", "--overlap-history", "5", "--causal-block-size", "2"], "causal_block_size 2 does not divide"),
+    (["--frames", "17", "--ar-step", "2"], "ar_step 2 (the asynchronous mode) needs causal_block_size"),
+    (["--frames", "9"], "9 frames need the video to be 9 frames, and this bundle's shapes at 64x32 have 13, 17"),
+    (["--frames", "33", "--overlap-history", "5"], "33 frames need segment 3 of 3 to be 9 frames"),
+    (["--frames", "18"], "num_frames 18 is not of the form 4k+1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD)
+def test_bad_settings_are_one_line(flags: list[str], message: str, skyreels_bundles, tmp_path: Path) -> None:
+    out = tmp_path / "never.mp4"
+    proc = run_cli("runtime", "generate", str(skyreels_bundles["skyreels-df"]), "--prompt", "a cat", *flags,
+                   "--out", str(out), "-q", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert message in proc.stderr
+    assert not out.exists()
+
+
+def test_a_source_video_too_short_to_extend(df, tmp_path: Path) -> None:
+    with pytest.raises(forcing.InputError, match="the video has 3 frames, fewer than overlap_history 5") as e:
+        df.generate(PROMPT, video=[test_image(64, 32, seed=i) for i in range(3)], num_frames=17, overlap_history=5,
+                    progress=False)
+    assert e.value.field == "video"
