@@ -196,9 +196,9 @@ def check_plan(p: Plan, counts: list[int], g: mf.Geometry, num_frames: int, fiel
         if seg.dit_frames not in counts:
             made = ", ".join(str(pixel_count(n, g.temporal_scale)) for n in counts)
             end = " (with the last image)" if seg.end else ""
-            raise InputError(f"{num_frames} frames need {which}{end} to be {pixel_count(seg.dit_frames, g.temporal_scale)} "
-                             f"frames, and "
-                             f"this bundle's shapes at {g.size} have {made}: ask for "
+            need = pixel_count(seg.dit_frames, g.temporal_scale)
+            raise InputError(f"{num_frames} frames need {which}{end} to be {need} frames, and this bundle's shapes at "
+                             f"{g.size} have {made}: ask for "
                              f"{suggest(counts, p, g.temporal_scale)}, or export the bundle with --frames "
                              f"{g.frames},{pixel_count(seg.dit_frames, g.temporal_scale)}", field)
 
