@@ -290,6 +290,9 @@ def parser() -> argparse.ArgumentParser:
                                                               "(default 16)")
     s.add_argument("--max-steps", type=int, default=1000, metavar="N",
                    help="the most denoising steps a job may ask for, up to 1000; more get 400 (default 1000)")
+    s.add_argument("--max-seconds", type=float, default=60.0, metavar="SECONDS",
+                   help="diffusion forcing bundles: the longest video a job may ask for (`seconds`); longer get 400 "
+                        "(default 60)")
     s.add_argument("--tenant-queue-size", type=int, default=None, metavar="N",
                    help="jobs one tenant may have waiting; more get 429 (default: --queue-size)")
     from .serve.limits import Limits
@@ -537,6 +540,8 @@ def serve(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if not 1 <= args.max_steps <= 1000:
         raise UserError(f"--max-steps {args.max_steps} must be in 1..1000")
+    if not 0 < args.max_seconds <= 3600:
+        raise UserError(f"--max-seconds {args.max_seconds} must be a number of seconds in (0, 3600]")
     for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb"):
         value = getattr(args, name)
         if value is None:  # --max-body-mb left out: the bundle's
@@ -565,7 +570,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(bundle=args.bundle, keys=keys, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
-                        max_steps=args.max_steps, names=server_names(args.host, args.allowed_host), limits=limits)
+                        max_steps=args.max_steps, max_seconds=args.max_seconds,
+                        names=server_names(args.host, args.allowed_host), limits=limits)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora

@@ -90,6 +90,12 @@ def pixel_count(latent_frames: int, temporal_scale: int = 4) -> int:
     return temporal_scale * (latent_frames - 1) + 1
 
 
+def frames_for(seconds: float, fps: int, temporal_scale: int = 4) -> int:
+    """The frame count (4k + 1) at or above seconds x fps: what a duration asks a diffusion forcing bundle for."""
+    wanted = max(1, math.ceil(seconds * fps - 1e-9))
+    return -(-(wanted - 1) // temporal_scale) * temporal_scale + 1
+
+
 def plan(latent_frames: int, base: int, overlap_history: int | None, block: int = 1, first_prefix: int = 0,
          end: bool = False, extend: bool = False, temporal_scale: int = 4) -> Plan:
     """The segments of a run of `latent_frames` (L) in segments of `base` (B) latent frames, as diffusers plans them:
@@ -184,6 +190,54 @@ def frame_counts(pipe: Pipeline, size: Any, segment_frames: int | None) -> tuple
     return g, sorted({s.latent_frames for s in same})
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a run makes, checked before any work: the segment shape, the segment plan and the settings."""
+
+    shape: mf.Geometry  # the segment's bundle shape (base_num_frames)
+    plan: Plan
+    num_frames: int  # what is made (video extension: after the source, counting the re-decoded overlap)
+    ar_step: int
+    block: int  # causal block size (1: none)
+    addnoise: float
+    overlap: int  # overlap_history, frames (the source's clip for a video extension)
+    first_prefix: int  # the first segment's pinned latent frames
+
+    def rows(self, steps: int) -> list[int]:
+        """Each segment's rows (DiT calls) at `steps` steps: what progress counts, and a server's step limit."""
+        return [len(timestep_matrix(seg.dit_frames, steps, self.ar_step, seg.prefix, self.block)[0])
+                for seg in self.plan.segments]
+
+
+def layout(pipe: Pipeline, size: Any = None, frames: int | None = None, num_frames: Any = None,
+           overlap_history: Any = None, ar_step: Any = 0, causal_block_size: Any = None, addnoise_condition: Any = 0,
+           images: int = 0, video_frames: int | None = None) -> Layout:
+    """The run a request makes on this bundle (`images`: 0, 1 or 2 with a last image; `video_frames`: a source video's
+    frame count), or InputError naming the field: settings out of range, an overlap that leaves no new frames, a
+    causal block size that does not divide a segment, ar_step without causal_block_size, a source video too short, a
+    frame count no shape or segment plan makes."""
+    ar, block, addnoise = check_settings(ar_step, causal_block_size, addnoise_condition, overlap_history, num_frames)
+    g, counts = frame_counts(pipe, size, frames)
+    n = g.frames if num_frames is None else int(num_frames)
+    if (n - 1) % g.temporal_scale:
+        low = max(1, (n - 1) // g.temporal_scale * g.temporal_scale + 1)
+        raise InputError(f"num_frames {n} is not of the form {g.temporal_scale}k+1: try {low} or "
+                         f"{low + g.temporal_scale}", "num_frames")
+    overlap = DEFAULT_OVERLAP if overlap_history is None else int(overlap_history)
+    first_prefix = 1 if images else 0
+    if video_frames is not None:
+        if video_frames < overlap:
+            raise InputError(f"the video has {video_frames} frame{'s' * (video_frames != 1)}, fewer than "
+                             f"overlap_history {overlap}: a video to extend needs at least overlap_history frames "
+                             "(give a longer video or a smaller overlap_history)", "video")
+        first_prefix = latent_count(_encodable(overlap, g.temporal_scale), g.temporal_scale)
+        first_prefix -= first_prefix % block
+    p = plan(latent_count(n, g.temporal_scale), g.latent_frames, overlap if video_frames is not None else
+             overlap_history, block, first_prefix, images > 1, video_frames is not None, g.temporal_scale)
+    check_plan(p, counts, g, n)
+    return Layout(g, p, n, ar, block, addnoise, overlap, first_prefix)
+
+
 def check_plan(p: Plan, counts: list[int], g: mf.Geometry, num_frames: int, field: str = "num_frames") -> None:
     """Every segment must run on a bundle shape and divide into causal blocks; InputError otherwise."""
     for i, seg in enumerate(p.segments):
@@ -248,36 +302,20 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         raise UserError("MagCache is not for diffusion forcing: its per-frame timesteps give MagCache's per-step "
                         "schedule nothing to go by; leave magcache out")
     pipe._prompts(prompt, "prompt")
-    ar, block, addnoise = check_settings(ar_step, causal_block_size, addnoise_condition, overlap_history, num_frames)
     if last_image is not None and image is None:
         raise InputError("a last image needs a first image too (--image / image=...)", "last_image")
     if video is not None and image is not None:
         raise InputError("give an image (image-to-video) or a video to extend, not both", "image")
-    fps = pipe.manifest.defaults.fps if fps is None else fps
-    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer)) or not 1 <= fps <= 240:
-        raise InputError(f"fps must be an integer in 1..240, got {fps!r}", "fps")
-    g, counts = frame_counts(pipe, size, frames)
     source = None if video is None else video_input.load_frames(video, "video")
     pil = [] if image is None else [images.load_image(image, "image")]
     if last_image is not None:
         pil.append(images.load_image(last_image, "last image"))
-    n = g.frames if num_frames is None else int(num_frames)
-    if (n - 1) % g.temporal_scale:
-        low = max(1, (n - 1) // g.temporal_scale * g.temporal_scale + 1)
-        raise InputError(f"num_frames {n} is not of the form {g.temporal_scale}k+1: try {low} or "
-                         f"{low + g.temporal_scale}", "num_frames")
-    overlap = DEFAULT_OVERLAP if overlap_history is None else int(overlap_history)
-    first_prefix = 1 if pil else 0
-    if source is not None:
-        if len(source) < overlap:
-            raise InputError(f"the video has {len(source)} frame{'s' * (len(source) != 1)}, fewer than overlap_history "
-                             f"{overlap}: a video to extend needs at least overlap_history frames (give a longer "
-                             "video or a smaller overlap_history)", "video")
-        first_prefix = latent_count(_encodable(overlap, g.temporal_scale), g.temporal_scale)
-        first_prefix -= first_prefix % block
-    p = plan(latent_count(n, g.temporal_scale), g.latent_frames, overlap if source is not None else overlap_history,
-             block, first_prefix, len(pil) > 1, source is not None, g.temporal_scale)
-    check_plan(p, counts, g, n)
+    lay = layout(pipe, size, frames, num_frames, overlap_history, ar_step, causal_block_size, addnoise_condition,
+                 len(pil), None if source is None else len(source))
+    fps = pipe.manifest.defaults.fps if fps is None else fps
+    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer)) or not 1 <= fps <= 240:
+        raise InputError(f"fps must be an integer in 1..240, got {fps!r}", "fps")
+    g, p, ar, block, overlap, first_prefix = lay.shape, lay.plan, lay.ar_step, lay.block, lay.overlap, lay.first_prefix
     s = pipe.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
     shapes = [pipe.manifest.find_shape(g.width, g.height, pixel_count(seg.dit_frames, g.temporal_scale), 0)
               for seg in p.segments]
@@ -286,11 +324,10 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     sched = s.plan(pipe.scheduler_config)
     programs = [pipe.step_programs(1, sched.timesteps, s, None, shape)[0] for shape in shapes]
     pipe._timestep_cast(programs[0], s)
-    rows = [len(timestep_matrix(seg.dit_frames, len(sched.timesteps), ar, seg.prefix, block)[0])
-            for seg in p.segments]
+    rows = lay.rows(len(sched.timesteps))
     total = sum(rows)
     dtype = np.dtype(ml_dtypes.bfloat16) if pipe.manifest.dtype == "bf16" else np.dtype(np.float32)
-    run = Run(pipe, sched, s.guidance, block, ar, addnoise, int(fps), s.seed, dtype)
+    run = Run(pipe, sched, s.guidance, block, ar, lay.addnoise, int(fps), s.seed, dtype)
 
     pipe.start_loading(bool(pil) or source is not None, s.seed, s.steps, s.guidance, s.flow_shift, None, None, prompt,
                        negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
@@ -437,7 +474,5 @@ def extend(pipe: Pipeline, prompt: str | Sequence[str], video: Any, seconds: flo
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise InputError(f"seconds must be a number > 0, got {seconds!r}", "seconds")
         overlap = kwargs.get("overlap_history") or DEFAULT_OVERLAP
-        t = pipe.geometry.temporal_scale
-        wanted = overlap + math.ceil(seconds * fps)
-        num_frames = -(-(wanted - 1) // t) * t + 1  # the next 4k + 1
+        num_frames = frames_for(overlap / fps + seconds, fps, pipe.geometry.temporal_scale)
     return generate(pipe, prompt, video=video, num_frames=num_frames, fps=fps, **kwargs)

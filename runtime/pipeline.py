@@ -379,6 +379,9 @@ class Pipeline:
         g = shape or self.geometry
         at = self._at
         if magcache is not None:
+            if "residual" not in self.kind.variants:
+                raise UserError(f"this bundle is {self.kind.title}: MagCache is not for its steps (diffusion forcing's "
+                                "per-frame timesteps give its per-step schedule nothing to go by)")
             if kinds.denoise_program(0, "residual") not in have:
                 raise UserError("this bundle has no MagCache programs (it was exported by an older wan-aot): "
                                 "re-export it to use MagCache")

@@ -254,3 +254,59 @@ def test_a_source_video_too_short_to_extend(df, tmp_path: Path) -> None:
         df.generate(PROMPT, video=[test_image(64, 32, seed=i) for i in range(3)], num_frames=17, overlap_history=5,
                     progress=False)
     assert e.value.field == "video"
+
+
+def _df_app(tmp_path: Path, pipe: runtime.Pipeline, **settings):
+    """(TestClient, State): the HTTP app serving the DF bundle (its real manifest and pipeline), no worker."""
+    from fastapi.testclient import TestClient
+
+    from runtime.serve.jobs import open_store
+    from runtime.serve.metrics import make_metrics
+    from runtime.serve.routes import create_app
+    from runtime.serve.schema import Offer
+    from runtime.serve.state import Settings, State
+
+    state = State(settings=Settings(bundle=pipe.bundle.path, jobs_dir=tmp_path / "jobs", **settings),
+                  store=open_store(tmp_path / "jobs"), offer=Offer.of(pipe.manifest, "df", max_seconds=2.0))
+    state.pipe = pipe
+    state.metrics = make_metrics(state.store)
+    state.ready.set()
+    return TestClient(create_app(state), base_url="http://127.0.0.1"), state
+
+
+SERVER_BAD = [
+    ({"seconds": "3"}, "seconds", "seconds 3 is longer than this server makes (2 s, its --max-seconds)"),
+    ({"seconds": "0.3"}, "seconds", "9 frames need the video to be 9 frames"),
+    ({"seconds": "1.5", "overlap_history": 17}, "overlap_history", "overlap_history must be an integer in 1..16"),
+    ({"seconds": "1.5", "overlap_history": 5, "causal_block_size": 2}, "causal_block_size", "does not divide"),
+    ({"ar_step": 2}, "ar_step", "needs causal_block_size"),
+]
+
+
+@pytest.mark.parametrize("fields,param,message", SERVER_BAD)
+def test_server_refuses_what_no_segment_plan_makes(fields: dict, param: str, message: str, df, tmp_path: Path) -> None:
+    client, _ = _df_app(tmp_path, df)
+    r = client.post("/v1/videos", json={"prompt": PROMPT, **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.json()["error"]["message"], \
+        r.text
+
+
+def test_server_seconds_beyond_the_shape(df, tmp_path: Path) -> None:
+    """`seconds` past the bundle's shape on a DF bundle (up to --max-seconds): 1.5 s at 24 fps is 37 frames, three
+    overlapping segments; the worker's run makes them. GET /v1/models says the bundle makes any length."""
+    from runtime.serve import worker
+    from runtime.video_input import load_frames
+
+    client, state = _df_app(tmp_path, df)
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["forcing"] is True and card["max_seconds"] == 2.0 and card["last_image"] is True
+    r = client.post("/v1/videos", json={"prompt": PROMPT, "seconds": "1.5", "overlap_history": 5,
+                                        "addnoise_condition": 20, "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["seconds"] == "1.54167"  # 37 frames at 24 fps
+    job = state.store.claim()
+    assert job.params["frames"] == 37 and job.params["overlap_history"] == 5
+    progress: list[int] = []
+    worker.run_job(df, job.params, [], tmp_path / "video.mp4", on_progress=progress.append)
+    assert len(load_frames(tmp_path / "video.mp4")) == 37
+    assert progress[-1] == 99 and progress == sorted(progress)

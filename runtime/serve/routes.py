@@ -264,8 +264,9 @@ def model_card(state: State) -> dict[str, Any]:
     created = int(manifest.stat().st_mtime) if manifest.is_file() else 0  # when the bundle was written
     return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
             "bundle_id": pipe.bundle_id, "kind": pipe.kind.name, "title": pipe.kind.title,
-            "image": pipe.kind.image, "last_image": pipe.kind.last_image, "video": state.offer.video_reference,
-            "mask": pipe.kind.vace, "animate": pipe.kind.animate,
+            "image": pipe.kind.image, "last_image": pipe.kind.takes_last_image, "video": state.offer.video_reference,
+            "mask": pipe.kind.vace, "animate": pipe.kind.animate, "forcing": pipe.kind.forcing,
+            **({"max_seconds": state.offer.max_seconds} if pipe.kind.forcing else {}),
             "reference_images": list(state.offer.reference_counts),
             "video_to_video": m.video_to_video, "experts": pipe.kind.experts, "fps": fps,
             "defaults": {"steps": state.offer.steps, "guidance": m.defaults.guidance,

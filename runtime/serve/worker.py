@@ -39,6 +39,19 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         last[0] = now
         on_progress(min(99, int(100 * done / total)))
 
+    if pipe.kind.forcing:  # any length, in overlapping segments: runtime/forcing.py
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
+                               last_image=media.get("last_image"), num_frames=params["frames"],
+                               overlap_history=params.get("overlap_history"), ar_step=params.get("ar_step") or 0,
+                               causal_block_size=params.get("causal_block_size"),
+                               addnoise_condition=params.get("addnoise_condition") or 0, fps=params["fps"],
+                               seed=s.seed, steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift,
+                               sampler=s.sampler, sigmas=s.sigmas, progress=False, size=params.get("size"),
+                               on_step=steps_done)
+        on_stage("decode")
+        if video is not None:
+            write_video(frames[0], video, fps=params["fps"])
+        return
     if pipe.kind.animate:  # every segment: runtime/animate.py
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
                                pose_video=media.get("pose_video"), face_video=media.get("face_video"),
