@@ -148,11 +148,12 @@ def timestep_matrix(frames: int, steps: int, ar_step: int = 0, pre_ready: int = 
     return np.repeat(np.stack(rows), block, axis=1), np.repeat(np.stack(updates), block, axis=1)
 
 
-def prefix_noise(seed: int, segment: int, row: int, shape: tuple[int, ...]) -> jax.Array:
+def prefix_noise(seed: int, segment: int, row: int, shape: tuple[int, ...]) -> np.ndarray:
     """The Gaussian noise re-noising the pinned frames (addnoise_condition) at `row` of `segment`, from `seed` (the
-    pinned frames take their share of it; diffusers draws it with torch.randn_like)."""
+    pinned frames take their share of it; diffusers draws it with torch.randn_like). On the host, as every process
+    of a multi-host job draws it alike and places its own shards."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0x5EED0 + segment), row)
-    return jax.random.normal(key, shape, jnp.float32)
+    return np.asarray(jax.random.normal(key, shape, jnp.float32))
 
 
 def check_settings(ar_step: Any, causal_block_size: Any, addnoise_condition: Any, overlap_history: Any,
@@ -430,7 +431,7 @@ def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program:
         if blend.any():  # as diffusers: the pinned frames fed at t = addnoise_condition, re-noised
             t[: seg.prefix] = run.addnoise
         rows = coeffs[np.clip(index_m[r] - 1, 0, steps - 1)] * update_m[r][:, None]
-        noise = prefix_noise(run.seed, index, r, x0.shape) if blend.any() else zeros
+        noise = put(prefix_noise(run.seed, index, r, x0.shape), placed["noise"]) if blend.any() else zeros
         values = {"state": state_dev, "kv": run.kv, "timestep": t,
                   "guidance": np.float32(run.guidance), "row": rows.astype(np.float32), "noise": noise,
                   "blend": blend, "update": update_m[r].astype(np.float32), "causal_block": np.int32(run.block),
