@@ -294,7 +294,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     """frames (B, F, H, W, 3) float32 in [0, 1]: `num_frames` frames (4k + 1; default: the segment's) from the prompt,
     the prompt and `image` (+ `last_image`), or after the source `video` (then F = the source's frames + num_frames,
     the first num_frames counting the re-decoded overlap, as diffusers returns it). `size` and `frames` pick the
-    segment shape (frames: base_num_frames; default the longest of the size); `overlap_history` (frames, default
+    segment shape (frames: base_num_frames; default the longest of the size; `frames` alone is the video's length,
+    as the CLI's --frames); `overlap_history` (frames, default
     17 where the video needs segments), `ar_step` and `causal_block_size` (the asynchronous mode),
     `addnoise_condition` (re-noise pinned frames to that timestep) and `fps` (the frame rate the DiT is told,
     default the bundle's) as diffusers'. `latents`: one initial noise per segment (B, z, frames, h, w), or the
@@ -303,6 +304,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         raise UserError("MagCache is not for diffusion forcing: its per-frame timesteps give MagCache's per-step "
                         "schedule nothing to go by; leave magcache out")
     pipe._prompts(prompt, "prompt")
+    if num_frames is None and frames is not None:  # as the CLI's --frames: the video's length
+        num_frames, frames = frames, None
     if last_image is not None and image is None:
         raise InputError("a last image needs a first image too (--image / image=...)", "last_image")
     if video is not None and image is not None:

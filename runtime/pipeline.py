@@ -173,6 +173,9 @@ class Pipeline:
         frames; it is resized to the shape's size."""
         kinds.check_images(self.kind, image, last_image)
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
+        if self.kind.forcing and (image is not None or video is not None):
+            raise UserError(f"this bundle is {self.kind.title}: its images and videos are pinned latent frames of its "
+                            "segments, which `generate` makes (runtime/forcing.py); encode takes the prompt alone")
         media = self._load_videos(video, mask, reference_images)  # unreadable inputs fail before any program runs
         g = self.shape_for_videos(size, frames, *((media["video"], media["references"]) if media else ()))
         if media is not None:
