@@ -18,7 +18,7 @@ import pytest
 import runtime
 from runtime import forcing
 
-from .conftest import run_cli, run_module, test_image
+from .conftest import run_cli, test_image
 
 PROMPT = "a robot walking in the city at night, cinematic"
 NEGATIVE = "blurry, low quality"
@@ -189,19 +189,34 @@ def test_df_asynchronous_mode(df, skyreels_checkpoints, async_noise, monkeypatch
 
 def test_df_asynchronous_mode_on_8_devices(df, skyreels_bundles, tmp_path: Path) -> None:
     """The CLI (--frames beyond the shape, --overlap-history, --ar-step, --causal-block-size, --addnoise-condition) on
-    the cpu-8 bundle (dp=2, sp=2, tp=2) with 8 fake devices: 1 device's frames (the noise from the seed)."""
+    the cpu-8 bundle (dp=2, sp=2, tp=2) with 8 fake devices gives 1 device's frames (the noise from the seed): with
+    guidance (the CFG batch over dp, the causal mask across sp's shards) and without (dp joins sp: 4 shards)."""
+    import os
+    import subprocess
+    import sys
+
     from safetensors.numpy import load_file
 
-    out = tmp_path / "eight.safetensors"
-    run_module("runtime", "generate", str(skyreels_bundles["skyreels-df-cpu8"]), "--prompt", PROMPT,
-               "--negative-prompt", NEGATIVE, "--frames", "21", "--overlap-history", "5", "--ar-step", "2",
-               "--causal-block-size", "2", "--addnoise-condition", "20", "--steps", str(STEPS), "--seed", "4",
-               "--out", str(tmp_path / "eight.mp4"), "--frames-out", str(out), "-q",
-               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
-    one = df.generate(PROMPT, NEGATIVE, seed=4, steps=STEPS, progress=False, **ASYNC)
-    eight = load_file(str(out))["frames"]
-    assert eight.shape == one.shape == (1, 21, 32, 64, 3)
-    assert np.abs(eight - one).max() <= 1e-5
+    from .conftest import ROOT
+
+    flags = ["generate", str(skyreels_bundles["skyreels-df-cpu8"]), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+             "--frames", "21", "--overlap-history", "5", "--ar-step", "2", "--causal-block-size", "2",
+             "--addnoise-condition", "20", "--steps", str(STEPS), "--seed", "4", "-q"]
+    runs = {g: tmp_path / f"g{g}.safetensors" for g in (6, 1)}
+    calls = [flags + ["--guidance", str(g), "--out", str(tmp_path / f"g{g}.mp4"), "--frames-out", str(out)]
+             for g, out in runs.items()]
+    script = "from runtime.__main__ import main\n" + "".join(f"assert main({c!r}) == 0\n" for c in calls)
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for g, out in runs.items():
+        one = df.generate(PROMPT, NEGATIVE, seed=4, steps=STEPS, guidance=float(g), progress=False, **ASYNC)
+        eight = load_file(str(out))["frames"]
+        assert eight.shape == one.shape == (1, 21, 32, 64, 3)
+        assert np.abs(eight - one).max() <= 1e-5, g
 
 
 def test_df_image_to_video_with_a_last_image(df, skyreels_checkpoints, monkeypatch) -> None:
