@@ -105,10 +105,11 @@ def plan(latent_frames: int, base: int, overlap_history: int | None, block: int 
     long = extend or latent_frames > base
     if not long:
         return Plan(latent_frames, base, 0, block, (Segment(latent_frames, first_prefix, end),))
-    overlap = latent_count(DEFAULT_OVERLAP if overlap_history is None else overlap_history, temporal_scale)
+    history = DEFAULT_OVERLAP if overlap_history is None else overlap_history
+    overlap = latent_count(history, temporal_scale)
     if overlap >= base or (extend and overlap >= latent_frames):
         most = pixel_count(min(base, latent_frames) - 1, temporal_scale)
-        raise InputError(f"overlap_history {overlap_history} is {overlap} latent frames, which leaves no new frames "
+        raise InputError(f"overlap_history {history} is {overlap} latent frames, which leaves no new frames "
                          f"in segments of {min(base, latent_frames)} latent frames: give an overlap_history of at most "
                          f"{most} frames", "overlap_history")
     count = 1 + (latent_frames - base - 1) // (base - overlap) + 1
