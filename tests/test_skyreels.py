@@ -325,3 +325,28 @@ def test_server_seconds_beyond_the_shape(df, tmp_path: Path) -> None:
     worker.run_job(df, job.params, [], tmp_path / "video.mp4", on_progress=progress.append)
     assert len(load_frames(tmp_path / "video.mp4")) == 37
     assert progress[-1] == 99 and progress == sorted(progress)
+
+
+def test_the_engine_imports_no_loop() -> None:
+    """runtime/pipeline.py is the one-segment engine: nothing it imports (within runtime) imports a segment loop or
+    the front that picks them (runtime/front.py imports the loops, which run on the engine's methods)."""
+    import ast
+
+    from .conftest import ROOT
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse((ROOT / "runtime" / f"{module}.py").read_text())
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                out |= {node.module} if node.module else {a.name for a in node.names}
+        return {m.split(".")[0] for m in out if (ROOT / "runtime" / f"{m.split('.')[0]}.py").is_file()}
+
+    seen, todo = set(), ["pipeline"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += imports(m)
+    assert not seen & {"animate", "forcing", "front"}, sorted(seen)
+    assert {"animate", "forcing", "pipeline"} <= imports("front")
