@@ -26,10 +26,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from runtime import targets
 from runtime.errors import UserError
 from runtime.extras import missing
+from runtime.fit import DoesNotFit
 
 from . import hub, tiny
 from .architectures import ARCHITECTURES
@@ -118,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flash-block-kv-compute", type=int, default=FlashBlocks.block_kv_compute,
                    help=f"TPU kernel inner key/value block (default: {FlashBlocks.block_kv_compute})")
     p.add_argument("--k-smoothing", action="store_true", help="TPU kernel: subtract K's mean (softmax-invariant)")
+    p.add_argument("--fit", action="store_true",
+                   help="TPU targets: compile every program for the target's slice with XLA's TPU compiler (libtpu, "
+                        "no TPU needed) and write the bundle only if its per-device peak fits the chips' HBM "
+                        "(`python -m runtime fit`); exit 1 and nothing written if it does not")
+    p.add_argument("--hbm", type=float, default=None, metavar="GIB",
+                   help="with --fit: HBM per chip to fit in (default: the chip's: v4 32, v5e 16, v5p 95, v6e 32)")
     p.add_argument("--out", type=Path, help="bundle directory to create (e.g. artifacts/NAME)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (or weights already attached)")
     p.add_argument("-q", "--quiet", action="store_true", help="no info logs (errors still print)")
@@ -186,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_sequence_length < 1:
             raise UserError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
         target = targets.resolve(args.target, args.mesh)
+        check = _fit_check(args, target)  # a target that is not a TPU slice, or no libtpu: before any work
         for name in ("flash_block_q", "flash_block_kv", "flash_block_kv_compute", "attention_block_q",
                      "attention_block_kv"):
             if getattr(args, name) < 1:
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                                     k_smoothing=args.k_smoothing),
                                 quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
                                 reference_images=references)
-            manifest = build_bundle(src, settings, args.out, force=args.force)
+            manifest = build_bundle(src, settings, args.out, force=args.force, check=check)
     except ModuleNotFoundError as e:  # the export extra (torch, diffusers, ...) not installed: say so in one line
         error = missing(e, "python -m export")
         if error is None:
@@ -222,12 +231,45 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DoesNotFit as e:
+        print(f"error: {e}; no bundle was written", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted; no bundle was written", file=sys.stderr)
         return 130
     logging.getLogger("export").info("wrote %s (bundle %s%s) in %.1f s", args.out, manifest.bundle_id,
                                      "" if manifest.has_weights else ", no weights", time.perf_counter() - t0)
     return 0
+
+
+def _fit_check(args: argparse.Namespace, target: targets.Target) -> Any:
+    """With --fit: build_bundle's check, compiling the finished bundle for the target's slice (runtime/fit.py) and
+    refusing it where it does not fit; None without."""
+    if args.hbm is not None and not args.fit:
+        raise UserError("--hbm goes with --fit")
+    if not args.fit:
+        return None
+    from runtime import fit
+
+    if target.platform != "tpu":
+        raise UserError(f"--fit compiles for a TPU slice; target {target.name} is {target.platform}: use --target "
+                        "tpu-... (e.g. tpu-v6e-8)")
+    targets.chip(target), targets.topology(target)  # a slice libtpu can make, or one line now
+    fit.check_libtpu()
+    if args.hbm is not None and not 0 < args.hbm < float("inf"):
+        raise UserError(f"--hbm {args.hbm} must be a number of GiB > 0")
+    log = logging.getLogger("export")
+
+    def check(directory: Path, manifest: Any) -> None:
+        log.info("compiling every program for %s (%s) with XLA's TPU compiler", target.name, targets.topology(target))
+        report = fit.fit(directory, args.hbm, manifest=manifest, verify=False,
+                         on_compiled=lambda c: log.info("compiled %s in %.1f s", c.key, c.compile_s))
+        for line in fit.format_text(report).splitlines():
+            log.info("%s", line)
+        fit.check(report)
+        fit.record(report, manifest.bundle_id, directory)
+
+    return check
 
 
 def _merges(args: argparse.Namespace) -> list:

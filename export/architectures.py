@@ -117,6 +117,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                                              added_kv_proj_dim=5120, motion_encoder_size=512,
                                              inject_face_latents_blocks=5),
                                 flow_shift=5.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
+    # Lucy Edit (decart-ai/Lucy-Edit-Dev, a LucyEditPipeline; the weights are non-commercial): Wan2.2-TI2V-5B's DiT
+    # taking 96 channels (the noise's 48, then the source video's latents' 48), the Wan 2.2 VAE, UniPC at shift 5.
+    "lucy-edit-dev": _arch("LucyEditPipeline", "decart-ai/Lucy-Edit-Dev",
+                           _transformer(24, 14336, 30, in_channels=96, out_channels=48), flow_shift=5.0, vae=_VAE22,
+                           expand_timesteps=True),
     "wan2.1-flf2v-14b-720p": _arch("WanImageToVideoPipeline", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
                                    _transformer(40, 13824, 40, **_I2V_14B, pos_embed_seq_len=2 * 257),
                                    flow_shift=16.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -244,8 +245,11 @@ def expert_shapes(src: Source) -> dict[str, dict[str, tuple[int, ...]]]:
     return {group: shapes for group in src.model.expert_groups}
 
 
-def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Manifest:
-    """Export every stage of `src` for `s` into the bundle directory `out` (weights only if src has them)."""
+def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
+                 check: Callable[[Path, Manifest], None] | None = None) -> Manifest:
+    """Export every stage of `src` for `s` into the bundle directory `out` (weights only if src has them). `check`
+    (the bundle's directory, its manifest) runs on the finished bundle before it takes `out`'s place: if it raises,
+    nothing is written (export --fit)."""
     import torch
 
     if out.exists() and not force:
@@ -408,6 +412,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False) -> Ma
             video_to_video=src.video_to_video,
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
+        if check is not None:
+            check(tmp, manifest)
         replace_dir(tmp, out)
         return manifest
     except BaseException:
@@ -470,10 +476,11 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[s
     """The denoise programs' conditioning inputs (kind.conditioning_inputs) and their shapes (`module`: the DiT, for
     a VACE model's control channels and layers)."""
     b, z, t, h, w = geo.latent_shape
+    mask = geo.temporal_scale if kind.channel_condition == "mask+latents" else 0
     shapes = {
-        # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents
-        "condition": (b, geo.temporal_scale + z, t, h, w) if kind.conditioning in ("concat", "animate")
-        else (b, z, 1, h, w),
+        # "concat": the frame mask (one channel per frame a latent frame stands for) and the image latents; Lucy Edit:
+        # the source video's latents; "first_frame": the image's latent frame
+        "condition": (b, mask + z, t, h, w) if kind.channel_condition else (b, z, 1, h, w),
         "mask": (1, 1, t, h, w),
     }
     if kind.vace:  # the inactive and reactive latents and the folded mask, for the reference images' frames too

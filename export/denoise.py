@@ -11,8 +11,9 @@ cross-attention keys and values of the prompt come in computed once per prompt
 (export/cross_kv.py), not projected again in every block at every step.
 
 What the DiT sees depends on the model kind's conditioning (runtime/kinds.py):
-"concat" appends the mask and image latents on the channel axis; "first_frame"
-blends the image latent into the masked frame and gives its tokens timestep 0.
+"concat" appends the mask and image latents on the channel axis ("video_concat", Lucy
+Edit, the source video's latents); "first_frame" blends the image latent into the
+masked frame and gives its tokens timestep 0.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     timestep float32 scalar (what diffusers' scheduler gives the DiT: whole numbers for UniPC, sigma x 1000 for
     Euler); guidance float32 scalar; row float32 coefficients;
     extras, named by kind.conditioning_inputs: condition float32 ((B, 4 + z, T, H, W) for "concat",
-    (B, z, 1, H, W) for "first_frame"), mask float32 (1, 1, T, H, W) (1 where the latents are
-    denoised, 0 where the image stands);
+    (B, z, T, H, W) for "video_concat", (B, z, 1, H, W) for "first_frame"), mask float32 (1, 1, T, H, W) (1 where
+    the latents are denoised, 0 where the image stands);
     control float32 (B, C, T, H, W) and control_scale float32 (VACE layers,) for "vace": the VACE branch's
     input latents and the scale of each of its hints, as diffusers' control_hidden_states(_scale), the same for
     cond and uncond;
@@ -67,7 +68,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         named = dict(zip(kind.conditioning_inputs, extras, strict=True))
         x, xprev, hist = state[0], state[1], state[2:]
         b = x.shape[0]
-        if kind.conditioning in ("concat", "animate"):  # as diffusers: cat([latents, condition], dim=1).to(dtype)
+        if kind.channel_condition:  # as diffusers: cat([latents, condition], dim=1).to(dtype)
             model_x = jnp.concatenate([x, named["condition"]], axis=1)
             t = jnp.full((copies * b,), timestep, jnp.float32)
         elif kind.conditioning == "first_frame":  # (1 - mask) * condition + mask * latents; t per token

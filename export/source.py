@@ -292,7 +292,8 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
 
 
 PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v", "WanVACEPipeline": "vace",
-             "WanVideoToVideoPipeline": "v2v", "WanAnimatePipeline": "animate"}
+             "WanVideoToVideoPipeline": "v2v", "WanAnimatePipeline": "animate",
+             "LucyEditPipeline": "lucy"}
 
 # SkyReels-V2 (runtime/kinds.py's skyreels-* rows): the three diffusion forcing pipelines run the same checkpoints,
 # so any of them gives one skyreels-df bundle (text, image and video extension).
@@ -308,6 +309,11 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
     """The runtime/kinds.py row of a diffusers Wan pipeline, from its model_index.json and configs."""
     if pipeline in SKYREELS_PIPELINES:
         return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
+    if PIPELINES[pipeline] == "lucy":  # Lucy Edit: TI2V-5B's DiT (expand_timesteps) on [noise, source video latents]
+        if two_experts or image_encoder:
+            raise UserError(f"{where}: Lucy Edit with two experts or an image encoder is not a configuration wan-aot "
+                            "knows (decart-ai/Lucy-Edit-Dev has one transformer and no image encoder)")
+        return "lucy-edit"
     if expand_timesteps:  # TI2V-5B, saved as either pipeline class: one bundle does text and image
         if two_experts or image_encoder:
             raise UserError(f"{where}: expand_timesteps with two experts or an image encoder is not a Wan "
@@ -352,11 +358,12 @@ def detect_skyreels(pipeline: str, two_experts: bool, transformer: dict[str, Any
 
 
 def check_consistent(src: Source) -> None:
-    """The DiT's input channels must be what the kind feeds it (noise, or noise + mask + condition)."""
+    """The DiT's input channels must be what the kind feeds it (noise, noise + mask + condition, or noise + the
+    source video's latents)."""
     kind, t = src.model, src.transformer_config
     z = int(src.vae_config.get("z_dim") or 16)
     mask = int(src.vae_config.get("scale_factor_temporal") or 4)  # one mask channel per frame of a latent frame
-    want = z + mask + z if kind.conditioning in ("concat", "animate") else z
+    want = z + {"mask+latents": mask + z, "latents": z}.get(kind.channel_condition, 0)
     if int(t["in_channels"]) != want or int(t["out_channels"]) != z:
         raise UserError(f"{src.id}: the transformer takes {t['in_channels']} channels and gives {t['out_channels']}, "
                         f"but a {kind.title} model with a z_dim {z} VAE needs {want} in and {z} out")

@@ -42,9 +42,9 @@ _VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, tem
 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
-# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "skyreels-t2v" | "skyreels-i2v" |
-# "skyreels-df"), experts (2: transformer_2 with boundary_ratio),
-# expand_timesteps, image_encoder (a CLIPVisionConfig).
+# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "lucy" | "skyreels-t2v" | "skyreels-i2v" |
+# "skyreels-df"), experts (2: transformer_2 with boundary_ratio), expand_timesteps, image_encoder (a
+# CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         transformer=dict(
@@ -92,6 +92,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Wan2.2-Animate-14B: a reference image (CLIP and VAE), pose and face videos.
     "tiny-animate": dict(transformer=_ANIMATE_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, pipeline="animate",
                          image_encoder=_CLIP),
+    # Lucy Edit (decart-ai/Lucy-Edit-Dev): TI2V-5B's layout (the Wan 2.2 VAE, expand_timesteps) with a DiT taking
+    # the noise and the source video's latents side by side (16 + 16 channels).
+    "tiny-lucy-edit": dict(transformer={**_DIT, "in_channels": 32}, vae=_VAE22, text_encoder=_UMT5, flow_shift=5.0,
+                           pipeline="lucy", expand_timesteps=True),
     # Wan2.2-I2V-A14B: no CLIP, two experts.
     "tiny-i2v-moe": dict(transformer={**_DIT, "in_channels": 36}, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0,
                          pipeline="i2v", experts=2, boundary_ratio=0.9),
@@ -203,6 +207,10 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
                         block.proj_out.weight.mul_(VACE_GAIN)
     if spec.get("expand_timesteps"):
         parts["expand_timesteps"] = True
+    if pipeline == "lucy":
+        from diffusers import LucyEditPipeline
+
+        return LucyEditPipeline(**parts)
     if pipeline in ("t2v", "vace", "v2v", "skyreels-t2v", "skyreels-df"):
         cls = {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline,
                "skyreels-t2v": SkyReelsV2Pipeline, "skyreels-df": SkyReelsV2DiffusionForcingPipeline}[pipeline]

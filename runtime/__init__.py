@@ -20,7 +20,10 @@ from typing import Any
 
 from .errors import BundleError, UserError
 from .magcache import MagCache
+from .platforms import keep_jax_off_absent_tpus
 from .video import write_video
+
+keep_jax_off_absent_tpus()  # before jax starts a backend: libtpu on a machine without a TPU stays quiet
 
 _LAZY = {"Pipeline": ".front", "load": ".front", "enable_compilation_cache": ".cache"}
 _NAMES = {"enable_compilation_cache": "enable"}

@@ -11,9 +11,11 @@
     python -m runtime generate BUNDLE --prompt "..." --image me.png --pose-video p.mp4 --face-video f.mp4 --out a.mp4
     python -m runtime generate DF_BUNDLE --prompt "..." --frames 257 --overlap-history 17 --out long.mp4  # any length
     python -m runtime generate DF_BUNDLE --prompt "..." --video clip.mp4 --frames 97 --out longer.mp4  # extend a video
+    python -m runtime generate BUNDLE --video source.mp4 --prompt "make it snow" --out edited.mp4   # Lucy Edit
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
+    python -m runtime fit     BUNDLE [--hbm GIB]   # a TPU bundle: compile it for its slice here, does it fit HBM?
     python -m runtime serve   BUNDLE [--port 8000] [--api-key KEY]   # the OpenAI videos API
 """
 
@@ -101,11 +103,13 @@ def _image_args(p: argparse.ArgumentParser) -> None:
 
 
 def _video_args(p: argparse.ArgumentParser, inputs: bool = True, settings: bool = True) -> None:
-    v = p.add_argument_group("video in (VACE bundles; video-to-video bundles take --video and --strength)")
+    v = p.add_argument_group("video in (VACE bundles; video-to-video bundles take --video and --strength; Lucy Edit "
+                             "bundles need --video, the video the prompt's instruction edits)")
     if inputs:
         v.add_argument("--video", type=Path, default=None,
-                       help="control or source video: mp4, webm, gif or a folder of numbered images; its frame count "
-                            "picks the shape's frames, its frames are resized to the shape's size")
+                       help="control, source or (Lucy Edit) edited video: mp4, webm, gif or a folder of numbered "
+                            "images; its frame count picks the shape's frames, its frames are resized to the shape's "
+                            "size")
         v.add_argument("--mask", type=Path, default=None, help="VACE: mask video, white = generate, black = keep "
                                                                "(default: generate everything)")
         v.add_argument("--reference-image", type=Path, action="append", default=None, metavar="FILE",
@@ -269,6 +273,20 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warm", parents=[common], help="compile every program into the compilation cache "
                                                        "(no weights loaded, nothing run)")
     _bundle_arg(w)
+    f = sub.add_parser("fit", help="compile every program of a TPU bundle with XLA's TPU compiler here (libtpu; no TPU "
+                                   "needed) and check its per-device peak against the chips' HBM")
+    _bundle_arg(f)
+    f.add_argument("--hbm", type=float, default=None, metavar="GIB",
+                   help="HBM per chip to fit in, e.g. less than the chip's to leave headroom (default: the chip's: "
+                        "v4 32, v5e 16, v5p 95, v6e 32)")
+    f.add_argument("--mode", choices=("serve", "generate"), default="serve",
+                   help="how the runtime will hold the bundle: serve (a server or the Python API: every stage "
+                        "resident) or generate (one `runtime generate`: each stage's weights dropped after it) "
+                        "(default: serve)")
+    f.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    f.add_argument("--record", action="store_true",
+                   help="also write the report into the bundle (fit.json), which `inspect` and `verify` show")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     s = sub.add_parser("serve", parents=[common], help="serve the OpenAI videos API (POST /v1/videos ...) "
                                                        "with a durable job queue")
     _bundle_arg(s)
@@ -330,12 +348,25 @@ def parser() -> argparse.ArgumentParser:
                         "the server exits with status 3 for its supervisor to restart it (default 600)")
     _magcache_args(s)  # the server's default for every job
     _lora_args(s)
+    lo = s.add_argument_group("LoRA adapters per request (see runtime/serve/README.md, \"LoRA adapters\")")
+    lo.add_argument("--lora-dir", type=Path, metavar="DIR",
+                    help="offer the adapters in DIR (made by `python -m export --lora ... --bundle BUNDLE`), by file "
+                         "name without .safetensors: a request's `lora` names them, and the replica switches its "
+                         "weights between jobs; each is checked against the bundle at start (--lora adapters apply "
+                         "to every job, before these)")
+    lo.add_argument("--max-loras", type=int, default=4, metavar="N",
+                    help="the most adapters one request may name (default 4)")
+    lo.add_argument("--lora-affinity-max", type=int, default=4, metavar="N",
+                    help="a replica takes a queued job of the LoRA set it holds before others, but no job waits for "
+                         "more than N others because of it (default 4; 0: strictly in turn)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         return inspect(args)
+    if args.command == "fit":
+        return fit(args)
     from . import cache, distributed
     from . import intermediates as im
     from .files import check_writable
@@ -399,8 +430,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.command != "decode":  # a shape the bundle lacks fails before any work
         from . import kinds
 
-        kinds.check_videos(pipe.kind, pipe.manifest.video_to_video, videos.get("video"), videos.get("mask"),
-                           videos.get("reference_images"))
+        if hasattr(args, "video"):  # the commands that read the inputs (denoise takes them encoded)
+            kinds.check_videos(pipe.kind, pipe.manifest.video_to_video, videos.get("video"), videos.get("mask"),
+                               videos.get("reference_images"))
         pipe.shape_for_videos(shape["size"], shape["frames"], videos.get("video"), videos.get("reference_images"))
     latent_shapes = [s.latent_shape for s in pipe.manifest.shapes]
     log = logging.getLogger("runtime")
@@ -492,6 +524,30 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def fit(args: argparse.Namespace) -> int:
+    """Exit 0: the bundle fits; 1: it does not (one line says where and what would help); 2: bad input."""
+    from . import fit as fitting
+
+    fitting.check_libtpu()  # before anything is read or compiled (no compilation cache: see fit.fit)
+    log = logging.getLogger("runtime")
+
+    def progress(c: fitting.Compiled) -> None:
+        log.info("compiled %s in %.1f s", c.key, c.compile_s)
+
+    try:
+        report = fitting.fit(args.bundle, args.hbm, args.mode, on_compiled=progress)
+        print(json.dumps(report.to_json(), indent=1) if args.json else fitting.format_text(report))
+        if args.record:
+            from . import manifest as mf
+
+            log.info("wrote %s", fitting.record(report, mf.read(args.bundle).bundle_id))
+        fitting.check(report)
+    except fitting.DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def warm(args: argparse.Namespace) -> int:
     import time
 
@@ -549,7 +605,18 @@ def serve(args: argparse.Namespace) -> int:
         if not (value > 0 and value < float("inf")):
             unit = "megabytes" if name == "max_body_mb" else "seconds"
             raise UserError(f"--{name.replace('_', '-')} {value} must be a number of {unit} > 0")
-    keys = Keys.load(args.api_keys, args.api_key or None)  # a bad key or file: one line, before anything starts
+    if args.max_loras < 1:
+        raise UserError(f"--max-loras {args.max_loras} must be >= 1")
+    if args.lora_affinity_max < 0:
+        raise UserError(f"--lora-affinity-max {args.lora_affinity_max} must be >= 0")
+    offered = {}
+    if args.lora_dir is not None:  # every adapter checked against the bundle: a misfit names its file, exit 2
+        from . import manifest as mf
+        from .adapters import scan
+
+        offered = scan(args.lora_dir, mf.read(args.bundle))
+    # a bad key or file: one line, before anything starts
+    keys = Keys.load(args.api_keys, args.api_key or None, frozenset(offered) if args.lora_dir is not None else None)
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -558,7 +625,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY) or "
                         "--api-keys FILE, or pass --insecure to serve without one")
     if not distributed.is_primary():  # processes 1..N-1 run process 0's jobs
-        pipe = load(args.bundle, loras=loras_from_args(args))
+        pipe = load(args.bundle, loras=loras_from_args(args), lora_dir=args.lora_dir)
         pipe.prepare(magcache=args.magcache is not None)
         return mh.follow(pipe)
     import jax
@@ -571,14 +638,17 @@ def serve(args: argparse.Namespace) -> int:
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
                         max_steps=args.max_steps, max_seconds=args.max_seconds,
-                        names=server_names(args.host, args.allowed_host), limits=limits)
+                        names=server_names(args.host, args.allowed_host), limits=limits,
+                        loras=tuple(offered.values()), max_loras=args.max_loras,
+                        lora_affinity_max=args.lora_affinity_max)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts
         from . import lora
         from . import manifest as mf
 
         lora.read_all(loras, mf.read(args.bundle))
-    return run_server(settings, args.host, args.port, loader=lambda: load(args.bundle, loras=loras),
+    return run_server(settings, args.host, args.port,
+                      loader=lambda: load(args.bundle, loras=loras, lora_dir=args.lora_dir),
                       broadcast=mh.send if multi else None,
                       on_exit=(lambda: mh.send({"stop": True})) if multi else None)
 

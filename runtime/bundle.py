@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import compat, kinds, lora, signatures
+from . import adapters, compat, host_memory, kinds, lora, signatures
 from . import manifest as mf
 from . import weights as wio
 from .distributed import put
@@ -82,6 +82,13 @@ class Bundle:
     _queued: dict[str, Future] = field(default_factory=dict)  # prefetch's task per program
     timings: dict[str, float] = field(default_factory=dict)  # seconds per "weights <group>" / "compile <program>"
     loras: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # group -> tensor -> runtime/lora.py Updates
+    lora_key: Any = ()  # what identifies the LoRA set `loras` holds (runtime/adapters.py key; () for none)
+    # LoRA switching (set_loras): each loaded group's weight file, mapped (its unmodified tensors), the set merged into
+    # its placed weights (key, updates), and a count of switches that block loops re-read their blocks' tensors at.
+    _sources: dict[str, wio.Source] = field(default_factory=dict)
+    _applied: dict[str, tuple[Any, dict[str, list[Any]]]] = field(default_factory=dict)
+    _versions: dict[str, int] = field(default_factory=dict)
+    _switch_lock: threading.RLock = field(default_factory=threading.RLock)
 
     def _once(self, table: dict[str, Future], key: str, make: Callable[[], Any]) -> Any:
         """make() for `key`, computed once even when several threads ask at the same time (a failure is
@@ -144,11 +151,16 @@ class Bundle:
         if loop is not None:
             per_block, shared = self._block_loop(name, weights)
             layers = [put(np.int32(i), self.input_shardings(name, "block")[-1]) for i in range(loop.layers)]
+            seen = [self._versions.get(group, 0)]
 
         def run(*args: Any) -> Any:
+            nonlocal per_block
             placed = [place(a, s) for a, s in zip(args, shardings, strict=True)]
             if loop is None:
                 return compiled(weights, *placed)
+            if seen[0] != self._versions.get(group, 0):  # a LoRA switch replaced some of the blocks' tensors
+                seen[0] = self._versions.get(group, 0)
+                per_block, _ = self._block_loop(name, weights)
             block = self.compiled_part(name, self.block_part(name, [placed[j] for j in shared]))
             return run_block_loop(compiled, block, tail, weights, per_block, layers, placed, shared,
                                   loop.head_takes_shared)
@@ -215,9 +227,11 @@ class Bundle:
         weight files unmapped, placed copies freed) once no array of theirs is held elsewhere. A later `call`
         of such a program loads and compiles it again (from the stamp and the compilation cache when warm)."""
         groups = set(groups)
-        with self._lock:
+        with self._lock, self._switch_lock:
             for group in groups:
                 self._weights.pop(group, None)
+                self._sources.pop(group, None)
+                self._applied.pop(group, None)
             for name, spec in self.manifest.programs.items():
                 if spec.weights in groups:
                     self._calls.pop(name, None)
@@ -271,11 +285,78 @@ class Bundle:
         def check(name: str, entry: wio.Entry | None) -> str | None:
             return entry_mismatch(entry, name, *expected[name], wf.file, "the program expects")
 
-        arrays = self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check)
-        if self.loras.get(group):
-            arrays = self._timed(f"lora {group}", lora.apply, arrays, self.loras[group],
-                                 {n: wf.scale_of(n) for n in wf.quantized})
+        source = wio.Source(shardings)
+        arrays = self._timed(f"weights {group}", wio.load_file, path, ref, self.checker, shardings, expected, check,
+                             source)
+        with self._switch_lock:  # the set to merge is the one asked for last (set_loras may run meanwhile)
+            self._sources[group] = source
+            wanted = self.loras.get(group) or {}
+            if wanted:
+                arrays = self._timed(f"lora {group}", lora.apply, arrays, wanted,
+                                     {n: wf.scale_of(n) for n in wf.quantized})
+            self._applied[group] = (self.lora_key, wanted)
         return arrays
+
+    def set_loras(self, updates: dict[str, dict[str, list[Any]]], key: Any) -> dict[str, Any] | None:
+        """Make `updates` (group -> tensor -> runtime/lora.py Updates, what runtime/adapters.py reads) the LoRA set of
+        every weight group, loaded or not; `key` identifies the set, and the same key as now changes nothing (None).
+
+        A loaded group's tensors that the old or the new set changes are placed again from the weight file (its
+        unmodified tensors: the mapping load_file kept, the kernel's page cache; on CPU the placed array is that
+        mapping, so this copies nothing) and the new set merged into them by the same per-tensor program as at load,
+        so the weights after any number of switches are those a fresh load of the set places, bit for bit; nothing is
+        ever unmerged by subtraction. A quantized tensor and its scale come back together and are quantized again from
+        the unmodified values. Programs already compiled keep running on the new arrays (same shapes and shardings).
+        Returns what it did: seconds, tensors merged again, groups."""
+        with self._switch_lock:
+            if key == self.lora_key:
+                return None
+            self.loras, self.lora_key = updates, key
+            loaded = dict(self._weights)
+        t0 = time.perf_counter()
+        tensors, groups = 0, []
+        for group, fut in loaded.items():
+            try:
+                arrays = fut.result()  # a load in flight merges the new set itself, or finishes before this
+            except BaseException:  # noqa: BLE001  (raised where the weights are used)
+                continue
+            with self._switch_lock:
+                if self._weights.get(group) is not fut or group not in self._sources:
+                    continue  # unloaded meanwhile: a later load merges the set
+                applied_key, applied = self._applied.get(group, ((), {}))
+                if applied_key == self.lora_key:
+                    continue
+                wanted = self.loras.get(group) or {}
+                names = set(applied) | set(wanted)
+                if not names:  # neither set changes this group
+                    self._applied[group] = (self.lora_key, wanted)
+                    continue
+                wf = self.manifest.weights[group]
+                scales = {n: wf.scale_of(n) for n in wf.quantized}
+                try:  # one tensor at a time: a device holds one more unmerged and one more merged tensor at most
+                    for name in sorted(names):
+                        fresh = self._sources[group].place([name] + ([scales[name]] if name in scales else []))
+                        if name in wanted:
+                            lora.apply(fresh, {name: wanted[name]}, scales)
+                        arrays.update(fresh)
+                        del fresh
+                except BaseException:
+                    # some tensors may hold the new set and some the old: the next switch merges all of both again
+                    self._applied[group] = (_PARTIAL, {n: [] for n in names})
+                    self.lora_key = _PARTIAL
+                    raise
+                self._applied[group] = (self.lora_key, wanted)
+                self._versions[group] = self._versions.get(group, 0) + 1
+                tensors += len(names)
+                groups.append(group)
+        if groups:
+            host_memory.release_freed()  # the replaced tensors and the adapters' placed copies, back to the system
+        took = time.perf_counter() - t0
+        if groups:
+            self.timings["lora switch"] = took
+            log.info("LoRA set switched: %d tensors of %s merged again from their unmodified weights in %.3f s",
+                     tensors, ", ".join(groups), took)
+        return {"seconds": took, "tensors": tensors, "groups": groups}
 
     def weight_layout(self, group: str, program: str) -> dict[str, tuple[Any, tuple[int, ...], np.dtype]]:
         """(sharding, shape, dtype) of each tensor of a weight group, as `program` (the first to use it) takes it."""
@@ -357,6 +438,9 @@ class Bundle:
         return CPU_COMPILER_OPTIONS.get(self.manifest.programs[name].weights)
 
 
+_PARTIAL = object()  # a LoRA key no set has: a switch that failed half way (set_loras)
+
+
 def entry_mismatch(entry: wio.Entry | None, name: str, want_shape: tuple[int, ...], want_dtype: np.dtype,
                    label: str, who: str) -> str | None:
     """Why the header entry of tensor `name` is not what `who` wants, or None."""
@@ -422,7 +506,8 @@ def no_weights_message(path: Path) -> str:
 
 
 def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False,
-                loras: list[tuple[str | Path, float]] | None = None) -> Bundle:
+                loras: list[adapters.LoraSpec] | None = None,
+                named: dict[str, lora.Adapter] | None = None) -> Bundle:
     """Read and check `path`; programs and weights load lazily on first use.
 
     `on_host` places the weights on this host's CPU devices whatever the target platform: to read or
@@ -431,7 +516,8 @@ def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False,
     The programs and tokenizer are checked against their sha256 now; each weight file is checked
     as it is read, before its arrays are used (runtime/integrity.py: unchanged files that matched
     before are not hashed again). `loras` are adapters (path, scale) merged into the weights they change as
-    those are placed (runtime/lora.py); they are read and checked against the bundle now.
+    those are placed (runtime/lora.py); they are read and checked against the bundle now (`named`: adapters they may
+    name, runtime/adapters.py). Bundle.set_loras switches to another set later.
     """
     path = Path(path)
     manifest = mf.read(path)
@@ -439,7 +525,8 @@ def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False,
         log.warning("%s", warning)
     if not manifest.has_weights:
         raise BundleError(no_weights_message(path))
-    updates = lora.read_all(loras, manifest)  # a bad adapter fails before any file is hashed
+    resolved = adapters.resolve(loras, manifest, named)  # a bad adapter fails before any file is hashed
+    updates = adapters.updates(resolved, manifest)
     checker = None
     if verify:
         checker = Checker(path, manifest)
@@ -448,7 +535,8 @@ def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False,
         checker.check([ref for ref in manifest.files() if ref.file not in weight_files])
         checked = time.perf_counter() - t
     mesh = make_mesh(manifest.target, jax.devices("cpu") if on_host else None, any_platform=on_host)
-    bundle = Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker, loras=updates)
+    bundle = Bundle(path=path, manifest=manifest, mesh=mesh, checker=checker, loras=updates,
+                    lora_key=adapters.key(resolved))
     if verify:
         bundle.timings["check programs and tokenizer"] = checked
     return bundle

@@ -122,16 +122,19 @@ def vace_control(g: Geometry, video: np.ndarray | None, mask: np.ndarray | None,
 def encode_videos(kind: Kind, g: Geometry, video: list[Any] | None, mask: list[Any] | None, references: list[Any],
                   call: Call, host: Host, chunk_frames: int) -> dict[str, np.ndarray]:
     """The denoise inputs of a video (PIL frames, already checked against shape `g`): a VACE kind's `control`
-    (`vace_control`, from the video, mask and reference images, each preprocessed as WanVACEPipeline does), or
-    video-to-video's `video_latents` (B, z, T, h, w): the video's VAE latents, as WanVideoToVideoPipeline encodes
-    them (distribution mode, normalised), noised by the denoise loop at the step its strength picks."""
+    (`vace_control`, from the video, mask and reference images, each preprocessed as WanVACEPipeline does); for a kind
+    whose programs take the video's latents as `condition` (Lucy Edit: beside the noise at every step), those;
+    else video-to-video's `video_latents`. Both are (B, z, T, h, w): the video's VAE latents, as LucyEditPipeline and
+    WanVideoToVideoPipeline encode them (distribution mode, normalised); video-to-video's are noised by the denoise
+    loop at the step its strength picks."""
     pixels = None if video is None else video_input.video_pixels(video, g.width, g.height)
     if kind.vace:
         masks = None if mask is None else video_input.mask_pixels(mask, g.width, g.height)
         refs = [video_input.reference_pixels(r, g.width, g.height) for r in references]
         return {"control": vace_control(g, pixels, masks, refs, call, host, chunk_frames)}
     latents = encode_video(pixels.transpose(1, 0, 2, 3), call, host, chunk_frames)
-    return {"video_latents": np.repeat(latents, g.batch, axis=0)}
+    key = "condition" if kind.channel_condition == "latents" else "video_latents"
+    return {key: np.repeat(latents, g.batch, axis=0)}
 
 
 def control_scale(scale: Any, layers: int) -> np.ndarray:

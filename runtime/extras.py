@@ -17,6 +17,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "postgres": ("psycopg", "psycopg_pool"),
     "objectstore": ("fsspec", "s3fs"),
     "savedmodel": ("tensorflow", "orbax"),
+    "tpu": ("libtpu",),
 }
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from . import animate, forcing
+from . import adapters, animate, forcing
+from . import manifest as mf
 from . import pipeline as engine
 from .bundle import open_bundle
 from .errors import UserError
@@ -49,8 +50,10 @@ class Pipeline(engine.Pipeline):
           noise per segment), `fps`.
 
         The shared keywords (seed, steps, guidance, flow_shift, sampler, sigmas, size, frames, progress, low_memory,
-        on_step, ...) mean the same everywhere."""
+        on_step, ...) mean the same everywhere; `loras` (the LoRA set, engine.Pipeline.use_loras) is switched to
+        before any loop runs."""
         loop = self.kind.loop
+        loras = kwargs.pop("loras", None)
         for other, (what, names) in LOOP_KEYWORDS.items():
             given = [n for n in names if kwargs.get(n) is not None]
             if other != loop and given:
@@ -58,6 +61,8 @@ class Pipeline(engine.Pipeline):
         for name in NOT_TAKEN.get(loop, ()):
             if name in kwargs and kwargs.pop(name) is not None:
                 raise UserError(f"this bundle is {self.kind.title}: it takes no {name.replace('_', ' ')}")
+        if loras is not None:  # before any loop: whichever runs, its programs use the weights of this set
+            self.use_loras(loras)
         return LOOPS[loop](self, prompt, negative_prompt, *args, **kwargs)
 
 
@@ -68,7 +73,9 @@ LOOPS: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
-def load(path: str | Path, verify: bool = True, loras: list[tuple[str | Path, float]] | None = None) -> Pipeline:
-    """Open the bundle at `path` (every file checked against the manifest's sha256). `loras`: adapters made by
-    `python -m export --lora`, as (path, scale) pairs, merged into the DiT weights as they are placed."""
-    return Pipeline(open_bundle(path, verify=verify, loras=loras))
+def load(path: str | Path, verify: bool = True, loras: Sequence[adapters.LoraSpec] | None = None,
+         lora_dir: str | Path | None = None) -> Pipeline:
+    """Open the bundle at `path` as runtime/pipeline.py's `load` does (every file checked against the manifest's
+    sha256; `loras` merged at load, `lora_dir` the adapters a call may name), as this module's `Pipeline`."""
+    named = adapters.scan(Path(lora_dir), mf.read(Path(path))) if lora_dir is not None else None
+    return Pipeline(open_bundle(path, verify=verify, loras=loras, named=named), loras, named)

@@ -15,6 +15,7 @@ configurations map onto these rows:
     vace        WanVACEPipeline (WanVACETransformer3DModel)         Wan2.1-VACE-1.3B / -14B
     vace-moe    WanVACEPipeline + transformer_2 + boundary_ratio    Wan2.2-VACE-Fun-A14B
     animate     WanAnimatePipeline (WanAnimateTransformer3DModel)   Wan2.2-Animate-14B (segments: runtime/animate.py)
+    lucy-edit   LucyEditPipeline (TI2V-5B's DiT on 2 x 48 channels)  decart-ai/Lucy-Edit-Dev (edits a source video)
 
 SkyReels-V2 (Skywork; SkyReelsV2Transformer3DModel: Wan 2.1's DiT, its timestep sinusoid in float64, an fps embedding):
 
@@ -48,6 +49,8 @@ Conditioning modes (how the image enters the denoising loop):
   from the segment before are pinned latent frames, fed to the DiT as they are or lightly re-noised (`noise` times
   `blend`, addnoise_condition); `causal_block` > 1 makes self-attention block-causal over frames (the asynchronous
   mode); `fps` is the frame rate the DiT is told. The segment loop around it is runtime/forcing.py.
+- "video_concat": the DiT input is [latents (z), VAE latents of the source video (z)] on the channel axis at every
+  step (Lucy Edit): no mask, every token at the step's timestep; the video's frame count is the shape's.
 """
 
 from __future__ import annotations
@@ -69,19 +72,19 @@ class Kind:
     image: str  # "none" | "optional" | "required"
     last_image: bool  # takes (and needs) a last frame too (FLF2V)
     image_encoder: bool  # CLIP vision stage feeding the DiT's image cross-attention
-    conditioning: str  # "none" | "concat" | "first_frame" | "vace" | "animate" (see the module docstring)
+    conditioning: str  # "none" | "concat" | "first_frame" | "vace" | "animate" | "video_concat" (module docstring)
     fps: int = 16  # the family's native frame rate (the mp4 default)
     steps: int = 50  # the run defaults of diffusers' pipeline (__call__'s num_inference_steps, guidance_scale)
     guidance: float = 5.0
-    video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "extend": a
-    #                      video to continue (diffusion forcing)
+    video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "required" |
+    #                      "extend": a video to continue (diffusion forcing)
     dit: str = "wan"  # "wan" | "skyreels": the DiT's diffusers class family (export/source.py transformer_class)
 
     @property
     def vae_encode(self) -> str:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
         return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
-                "animate": "video", "forcing": "video"}[self.conditioning]
+                "animate": "video", "video_concat": "video", "forcing": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -104,7 +107,16 @@ class Kind:
         """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
-                "forcing": FORCING_INPUTS}[self.conditioning]
+                "video_concat": ("condition",), "forcing": FORCING_INPUTS}[self.conditioning]
+
+    @property
+    def channel_condition(self) -> str:
+        """What `condition` puts after the noisy latents on the DiT input's channel axis, over every latent frame:
+        "" (nothing: the DiT sees the latents alone, or "first_frame"'s blend), "mask+latents" (the frame mask, then
+        the conditioning video's latents: "concat", "animate") or "latents" (the source video's latents alone:
+        "video_concat")."""
+        return {"concat": "mask+latents", "animate": "mask+latents", "video_concat": "latents"}.get(self.conditioning,
+                                                                                                     "")
 
     @property
     def animate(self) -> bool:
@@ -202,6 +214,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("animate", "Wan 2.2 Animate (a character from an image, moved by pose and face videos)", experts=1,
          image="required", last_image=False, image_encoder=True, conditioning="animate", fps=30, steps=20,
          guidance=1.0),
+    # Lucy Edit (Decart): an instruction edits a source video; its latents beside the noise at every step.
+    Kind("lucy-edit", "Lucy Edit (video editing from an instruction)", experts=1, image="none", last_image=False,
+         image_encoder=False, conditioning="video_concat", fps=24, video="required"),
     # SkyReels-V2 (Skywork): Wan 2.1's DiT fine-tuned; diffusers' SkyReelsV2 pipelines and their run defaults.
     Kind("skyreels-t2v", "SkyReels-V2 text-to-video", experts=1, image="none", last_image=False, image_encoder=False,
          conditioning="none", fps=24, guidance=6.0, dit="skyreels"),
@@ -351,6 +366,8 @@ def check_videos(kind: Kind, video_to_video: bool, video: object, mask: object, 
     """Refuse video inputs a bundle does not take, in one line (`video_to_video`: a text-to-video bundle exported
     with the VAE encoder, Manifest.video_to_video)."""
     takes_video = kind.video != "none" or video_to_video
+    if video is None and kind.video == "required":
+        raise UserError(f"this bundle is {kind.title}: it needs a source video (--video FILE / video=...)")
     if video is not None and not takes_video:
         also = " (export a text-to-video model with --video-to-video for video-to-video)" \
             if kind.conditioning == "none" else ""

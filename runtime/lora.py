@@ -16,7 +16,12 @@ A quantized weight (export/quantize.py) is merged into its dequantized value, q 
 quantized again with new per-row scales, in the same program: the bundle's programs take it as
 they always do, and the cost is one more rounding (tests/test_quantize.py measures it against
 merging into the unquantized bundle). Applying the adapter unmerged would instead need programs
-with LoRA inputs, and a rank-r product per layer at every step.
+with LoRA inputs, and a rank-r product per layer at every step: measured on an H200 at the 1.3B's widths and 480p,
+1.44x the linears' time per step, more than a switch's merge after 2.3 steps (BENCHMARKS.md section 9).
+
+A pipeline switches sets between runs (runtime/adapters.py, Bundle.set_loras): the tensors either set changes are
+merged again, by `apply`, from their unmodified copy (the weight file's mapping), so the result is always a fresh
+load's, bit for bit.
 """
 
 from __future__ import annotations
@@ -63,14 +68,19 @@ def parse_spec(text: str) -> tuple[Path, float]:
 
 def check_tensors(tensors: dict[str, Any], manifest: mf.Manifest, label: str) -> list[tuple[str, str]]:
     """The (group, tensor) pairs an adapter's tensors change; UserError if any does not fit the bundle."""
+    return check_shapes({key: tuple(np.shape(value)) for key, value in tensors.items()}, manifest, label)
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], manifest: mf.Manifest, label: str) -> list[tuple[str, str]]:
+    """`check_tensors` on the adapter tensors' shapes alone (its file's header: nothing read)."""
     found: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
-    for key, value in tensors.items():
+    for key, shape in shapes.items():
         m = _KEY.fullmatch(key)
         if not m:
             raise UserError(f"{label}: tensor {key!r} is not an adapter tensor (make adapters with python -m "
                             "export --lora)")
         group, name, part = m.groups()
-        found.setdefault((group, name), {})[part] = tuple(np.shape(value))
+        found.setdefault((group, name), {})[part] = tuple(shape)
     for (group, name), parts in found.items():
         wf = manifest.weights.get(group)
         if wf is None:
@@ -93,29 +103,95 @@ def check_tensors(tensors: dict[str, Any], manifest: mf.Manifest, label: str) ->
     return sorted(found)
 
 
-def read(path: Path, scale: float, manifest: mf.Manifest) -> dict[tuple[str, str], Update]:
-    """An adapter's updates, checked against the bundle (its header names the bundle it was made for)."""
-    from safetensors import SafetensorError, safe_open
+@dataclass(frozen=True)
+class Adapter:
+    """What an adapter file offers, from its header and its tensors' shapes (no data read): the experts it changes
+    (`groups`) and those it may be applied to instead (`targets`: on a two-expert bundle, an adapter of one expert fits
+    the other, whose tensors have the same names and shapes), its rank (the largest of its layers') and how many of
+    the bundle's tensors it changes."""
 
-    label = f"LoRA adapter {path}"
+    name: str
+    path: Path
+    rank: int
+    groups: tuple[str, ...]
+    targets: tuple[str, ...]
+    tensors: int
+
+
+def _open(path: Path, manifest: mf.Manifest, label: str) -> Any:
+    """The adapter file opened with safetensors' safe_open, its header checked (a wan-aot adapter of this bundle)."""
+    from safetensors import safe_open
+
     if not Path(path).is_file():
         raise UserError(f"{label} does not exist (make one with python -m export --lora SOURCE --bundle BUNDLE "
                         "--out ADAPTER.safetensors)")
+    f = safe_open(str(path), framework="numpy")
+    header = f.metadata() or {}
+    if header.get("format") != FORMAT:
+        raise UserError(f"{label} is not a wan-aot adapter: convert the LoRA with python -m export --lora "
+                        f"{path} --bundle BUNDLE --out ADAPTER.safetensors")
+    if header.get("bundle_id") != manifest.bundle_id:
+        raise UserError(f"{label} was made for bundle {header.get('bundle_id')}, not this one "
+                        f"({manifest.bundle_id}): convert the LoRA again with --bundle this bundle")
+    return f
+
+
+def retarget(keys: dict[str, Any], into: str | None) -> dict[str, Any]:
+    """An adapter's tensors (by key) applied to expert `into` (None: where they are): an adapter of one expert moved to
+    the other (Wan2.2-Lightning's files are one per expert; the same file may serve either), an adapter of both
+    restricted to that expert's part."""
+    if into is None:
+        return dict(keys)
+    groups = {_KEY.fullmatch(k).group(1) for k in keys}
+    if into in groups:
+        return {k: v for k, v in keys.items() if _KEY.fullmatch(k).group(1) == into}
+    (group,) = groups  # one expert's adapter, moved
+    return {into + k[len(group):]: v for k, v in keys.items()}
+
+
+def describe(path: Path, manifest: mf.Manifest, name: str | None = None) -> Adapter:
+    """The adapter at `path` as it fits this bundle, from its header (UserError naming the file if it does not)."""
+    from safetensors import SafetensorError
+
+    label = f"LoRA adapter {path}"
+    try:
+        f = _open(path, manifest, label)
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except SafetensorError as e:
+        raise UserError(f"cannot read {label}: {e}") from None
+    targets = check_shapes(shapes, manifest, label)
+    groups = tuple(g for g in GROUPS if any(t == g for t, _ in targets))
+    fits = []
+    for into in kinds.get(manifest.kind).expert_groups:
+        try:
+            check_shapes(retarget(shapes, into), manifest, label)
+            fits.append(into)
+        except UserError:
+            pass
+    rank = max((shape[0] for k, shape in shapes.items() if k.endswith(".lora_A")), default=0)
+    return Adapter(name=name or Path(path).name.removesuffix(".safetensors"), path=Path(path), rank=int(rank),
+                   groups=groups, targets=tuple(fits), tensors=len(targets))
+
+
+def read(path: Path, scale: float, manifest: mf.Manifest, into: str | None = None) -> dict[tuple[str, str], Update]:
+    """An adapter's updates, checked against the bundle (its header names the bundle it was made for); `into` applies
+    them to that expert (`retarget`)."""
+    from safetensors import SafetensorError
+
+    label = f"LoRA adapter {path}"
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise UserError(f"{label}: the scale must be a finite number, got {scale!r}")
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            header = f.metadata() or {}
-            if header.get("format") != FORMAT:
-                raise UserError(f"{label} is not a wan-aot adapter: convert the LoRA with python -m export --lora "
-                                f"{path} --bundle BUNDLE --out ADAPTER.safetensors")
-            if header.get("bundle_id") != manifest.bundle_id:
-                raise UserError(f"{label} was made for bundle {header.get('bundle_id')}, not this one "
-                                f"({manifest.bundle_id}): convert the LoRA again with --bundle this bundle")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        f = _open(path, manifest, label)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     except SafetensorError as e:
         raise UserError(f"cannot read {label}: {e}") from None
     check_tensors(tensors, manifest, label)
+    if into is not None:
+        if into not in manifest.weights or into not in GROUPS:
+            raise UserError(f"{label}: this bundle ({manifest.kind}) has no expert {into}")
+        tensors = retarget(tensors, into)
+        check_tensors(tensors, manifest, f"{label} applied to {into}")
     out = {}
     for key, value in tensors.items():
         group, name, part = _KEY.fullmatch(key).groups()
@@ -167,13 +243,14 @@ def apply(arrays: dict[str, Any], updates: dict[str, list[Update]], scale_names:
           ) -> dict[str, Any]:
     """`arrays` (placed weights of one group) with the updates merged, each tensor keeping its sharding; a quantized
     tensor (a key of `scale_names`: tensor -> its scale, WeightFile.scale_of) is merged with its scale and both are
-    replaced."""
+    replaced. The tensors are replaced in `arrays` itself (returned), one at a time: a device holds the unmerged and
+    the merged copy of one tensor at once, not of all."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from .distributed import put
 
-    out = dict(arrays)
+    out = arrays
     for name, ups in updates.items():
         w = arrays[name]
         if not isinstance(w.sharding, NamedSharding):  # not expected: the bundle places with NamedShardings

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
+from . import adapters, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -44,9 +44,13 @@ class Pipeline:
     (a shape the bundle lacks is a UserError listing those it has); `denoise` and `decode` take the shape of the
     latents they are given."""
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, loras: Sequence[adapters.LoraSpec] | None = None,
+                 named: dict[str, Any] | None = None) -> None:
         self.bundle = bundle
         self.manifest: mf.Manifest = bundle.manifest
+        # LoRA adapters: those the pipeline was loaded with, and those it offers by name (runtime/adapters.py)
+        self.base_loras: list[adapters.LoraSpec] = list(loras or [])
+        self.loras: dict[str, Any] = dict(named or {})  # name -> runtime.lora.Adapter
         self.geometry = self.manifest.geometry  # the default shape
         self.kind: Kind = kinds.get(self.manifest.kind)
         self._tokenizer: PromptTokenizer | None = None
@@ -55,6 +59,24 @@ class Pipeline:
     @property
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
+
+    def use_loras(self, loras: Sequence[adapters.LoraSpec]) -> dict[str, Any] | None:
+        """Make `loras` the LoRA set of the DiT's weights from now on: each (path or name, scale) or (path or name,
+        scale, expert), a name one of `loras`' (the adapters of `lora_dir`), `expert` "high" or "low" on two-expert
+        bundles (the adapter applied to that expert; default: the experts it was made for). `[]`: no adapter.
+
+        Nothing happens when the set is the one the weights hold; otherwise the tensors either set changes are merged
+        again from their unmodified weights (Bundle.set_loras), so the result equals a fresh `runtime.load(...,
+        loras=...)` of the set, bit for bit, whatever ran before. Weights not loaded yet load with it. Returns what
+        the switch did (its seconds, the tensors merged again), or None. UserError for a bad set, before any change."""
+        resolved = adapters.resolve(loras, self.manifest, self.loras)
+        key = adapters.key(resolved)
+        if key == self.bundle.lora_key:
+            return None
+        switched = self.bundle.set_loras(adapters.updates(resolved, self.manifest), key)
+        if switched is not None:
+            switched["set"] = adapters.describe_set(resolved)
+        return switched
 
     @property
     def shapes(self) -> list[tuple[int, int, int]]:
@@ -314,8 +336,10 @@ class Pipeline:
         out = {}
         for name in self.kind.denoise_extras:
             if name not in embeds:
+                what = "video inputs" if self.kind.vace else "video (--video / video=...)" \
+                    if self.kind.video == "required" else "image (--image / image=...)"
                 raise UserError(f"this bundle is {self.kind.title}: the embeddings have no {name!r}; encode with "
-                                f"the {'video inputs' if self.kind.vace else 'image (--image / image=...)'}")
+                                f"the {what}")
             value = np.asarray(embeds[name], np.float32)
             if value.shape != specs[name].shape:
                 also = f" at {g.size} x {g.frames} frames (encode with the same size and frames)" \
@@ -530,7 +554,8 @@ class Pipeline:
         one `strength` picks (samplers.start_step); UserError for a bad strength or one that leaves no step."""
         if "video_latents" not in embeds:
             if strength is not None:
-                raise UserError("strength is for video-to-video (a video given to encode)")
+                raise UserError("strength is for video-to-video: a source video given to a bundle exported with "
+                                "--video-to-video")
             return 0
         strength = 0.8 if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
@@ -697,7 +722,8 @@ class Pipeline:
                  mask: VideoInput | None = None, reference_images: Sequence[ImageInput] | None = None,
                  conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
                  noise: np.ndarray | None = None,
-                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
+                 on_step: Callable[[int, int], None] | None = None,
+                 loras: Sequence[adapters.LoraSpec] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
         `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
@@ -711,8 +737,14 @@ class Pipeline:
         again. `on_step(done, total)` follows the denoising steps.
 
         One bundle shape, one segment: what runtime/front.py's `generate` runs for the kinds without a loop of their
-        own (kinds.Kind.loop)."""
+        own (kinds.Kind.loop).
+
+        `loras`: the LoRA set this run and the later ones use (`use_loras`: (path or name, scale[, expert]) each; `[]`
+        none), switched to before anything runs; None keeps the set the weights hold (the one `runtime.load` was given,
+        or the last one a call named). (runtime/front.py's `generate` switches it before any loop.)"""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
+        if loras is not None:
+            self.use_loras(loras)
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)
         g = self.denoise_shape({}, latents, size, frames) if latents is not None else \
@@ -763,7 +795,11 @@ def parse_size(size: Size) -> tuple[int, int]:
     raise UserError(f"size {size!r} is not WIDTHxHEIGHT (e.g. 1280x720)")
 
 
-def load(path: str | Path, verify: bool = True, loras: list[tuple[str | Path, float]] | None = None) -> Pipeline:
+def load(path: str | Path, verify: bool = True, loras: Sequence[adapters.LoraSpec] | None = None,
+         lora_dir: str | Path | None = None) -> Pipeline:
     """Open the bundle at `path` (every file checked against the manifest's sha256). `loras`: adapters made by
-    `python -m export --lora`, as (path, scale) pairs, merged into the DiT weights as they are placed."""
-    return Pipeline(open_bundle(path, verify=verify, loras=loras))
+    `python -m export --lora`, as (path, scale) pairs (or (path, scale, expert)), merged into the DiT weights as they
+    are placed. `lora_dir`: a directory of such adapters, each checked against the bundle now, that `loras` here and
+    in `generate(..., loras=...)` / `use_loras` may name (file name without .safetensors; `Pipeline.loras`)."""
+    named = adapters.scan(Path(lora_dir), mf.read(Path(path))) if lora_dir is not None else None
+    return Pipeline(open_bundle(path, verify=verify, loras=loras, named=named), loras, named)

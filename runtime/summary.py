@@ -9,7 +9,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers the "bfloat16" dtype name with numpy)
 import numpy as np
 
-from . import kinds
+from . import fit, kinds
 from . import manifest as mf
 from .targets import format_mesh
 
@@ -65,12 +65,14 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                      "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
         "scheduler": m.scheduler, "stages": stages, "weights": weights,
         "weights_attached": m.has_weights, "versions": m.versions,
+        "tpu_fit": fit.read_record(path, m) if m.target.platform == "tpu" else None,
     }
 
 
 def _takes(kind: kinds.Kind) -> str:
     image = {"none": "", "optional": " [+ image]", "required": " + image"}[kind.image]
-    return "prompt" + image + (" + last image" if kind.last_image else "")
+    video = {"none": "", "optional": " [+ video]", "required": " + video"}[kind.video]
+    return "prompt" + image + (" + last image" if kind.last_image else "") + video
 
 
 def format_text(s: dict[str, Any]) -> str:
@@ -98,9 +100,13 @@ def format_text(s: dict[str, Any]) -> str:
         f"samplers   unipc (order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}), euler, "
         "dpm++ (any, per run)",
         f"versions   {_kv(s['versions'])}",
-        "",
-        "stages",
     ]
+    if t["platform"] == "tpu":
+        record = s.get("tpu_fit")
+        lines.append("tpu fit    " + (fit.describe_record(record) if record else
+                                      "never compiled for TPU here: `python -m runtime fit BUNDLE --record` compiles "
+                                      "every program for the slice with libtpu (no TPU needed)"))
+    lines += ["", "stages"]
     for name, st in s["stages"].items():
         lines.append(f"  {name:<18} {st['file']} ({_bytes(st['bytes'])}), weights: {st['weights']}")
         if "blocks" in st:

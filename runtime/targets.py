@@ -19,7 +19,9 @@ kind is recorded: one bundle runs on either card.
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 
 from .errors import UserError
 from .manifest import Target
@@ -80,3 +82,50 @@ def resolve(name: str, mesh: str | None = None) -> Target:
     sizes = parse_mesh(mesh)
     return Target(name=f"{target.name}[{format_mesh(sizes)}]", platform=target.platform, mesh=sizes,
                   device_kind=target.device_kind)
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A TPU generation: what `runtime fit` compiles for (a compile-only topology of it) and checks against (HBM per
+    chip), and the peak figures the roofline benchmark divides by (Google Cloud TPU pages)."""
+
+    name: str  # the topology prefix: "v6e", "v5e", "v5p", "v4"
+    hbm_gib: float  # per chip
+    torus: int  # 2: a 2D torus (v5e, v6e), 3: 3D (v4, v5p)
+    chip_config: str = ""  # "megacore": the chip's two TensorCores are one JAX device (v4, v5p)
+    bf16_flops: float = 0.0  # peak per chip
+    hbm_bytes_per_s: float = 0.0
+    ici_bytes_per_s: float | None = None  # bidirectional; None: not published
+
+
+CHIPS: dict[str, Chip] = {  # by jax device_kind
+    "TPU v6 lite": Chip("v6e", 32, 2, bf16_flops=918e12, hbm_bytes_per_s=1638e9, ici_bytes_per_s=800e9),
+    "TPU v5 lite": Chip("v5e", 16, 2, bf16_flops=197e12, hbm_bytes_per_s=819e9, ici_bytes_per_s=400e9),
+    "TPU v5": Chip("v5p", 95, 3, "megacore", bf16_flops=459e12, hbm_bytes_per_s=2765e9, ici_bytes_per_s=1200e9),
+    "TPU v4": Chip("v4", 32, 3, "megacore", bf16_flops=275e12, hbm_bytes_per_s=1200e9),
+}
+
+
+def chip(target: Target) -> Chip:
+    """The TPU generation of a TPU target (UserError for other platforms or an unknown device kind)."""
+    if target.platform != "tpu":
+        raise UserError(f"target {target.name} is for {target.platform}, not a TPU slice")
+    if target.device_kind not in CHIPS:
+        raise UserError(f"target {target.name} names TPU device kind {target.device_kind!r}, which this wan-aot does "
+                        f"not know ({', '.join(CHIPS)}): upgrade wan-aot")
+    return CHIPS[target.device_kind]
+
+
+def topology(target: Target) -> str:
+    """The slice a TPU target runs on, as jax's compile-only topologies name it: chips on a 2D (v5e, v6e) or 3D (v4,
+    v5p) torus of hosts of 2x2(x1) chips, e.g. tpu-v6e-8 -> "v6e:2x4", tpu-v4-8 (4 chips) -> "v4:2x2x1". UserError
+    for a device count no such slice has."""
+    c, n = chip(target), target.num_devices
+    if n < 4 or n & (n - 1):
+        raise UserError(f"target {target.name} has {n} devices: a {c.name} slice this runtime can compile for has 4, "
+                        "8, 16, ... (a power of two, at least one host of 4 chips)")
+    dims = [2, 2] if c.torus == 2 else [2, 2, 1]  # one host's chips, then each doubling doubles the shortest side
+    for _ in range(int(math.log2(n)) - 2):
+        i = max(j for j, d in enumerate(dims) if d == min(dims))
+        dims[i] *= 2
+    return f"{c.name}:{'x'.join(map(str, dims))}"

@@ -64,6 +64,15 @@ def verify(path: Path) -> list[Check]:
     except BundleError as e:
         checks.append(Check(FAIL, str(e)))
 
+    if m.target.platform == "tpu":
+        from .fit import describe_record, read_record
+
+        record = read_record(path, m)
+        if record is None:
+            checks.append(Check(WARN, "tpu: never compiled for TPU here: `python -m runtime fit BUNDLE --record` "
+                                      "compiles every program for the slice with libtpu (no TPU needed)"))
+        else:
+            checks.append(Check(OK if record.get("fits") else WARN, f"tpu: {describe_record(record)}"))
     try:
         from .bundle import make_mesh
 

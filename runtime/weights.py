@@ -171,14 +171,31 @@ def place(host: np.ndarray, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+class Source:
+    """A loaded weight file's unmodified tensors, to place again (runtime/bundle.py Bundle.set_loras: a LoRA switch
+    merges from these, never from merged weights). It keeps the file's read-only mapping (load_file fills it in): the
+    unmodified copy is the kernel's page cache of the file, checked by sha256 when it was loaded, shared with every
+    process mapping it, and costs no memory of this process's own; on CPU a placed tensor is that mapping itself."""
+
+    def __init__(self, shardings: dict[str, Any]) -> None:
+        self.shardings = shardings
+        self.data: memoryview | None = None
+        self.entries: dict[str, Entry] = {}
+
+    def place(self, names: Any) -> dict[str, jax.Array]:
+        """Tensors `names` placed as load_file placed them (the same bytes, the same shardings)."""
+        return {n: place(host_tensor(self.data, self.entries[n]), self.shardings[n]) for n in names}
+
+
 def load_file(path: Path, ref: mf.FileRef, checker: Checker | None, shardings: dict[str, Any],
               expected: dict[str, tuple[tuple[int, ...], np.dtype]],
-              check: Callable[[str, Entry | None], str | None]) -> dict[str, jax.Array]:
+              check: Callable[[str, Entry | None], str | None], source: Source | None = None) -> dict[str, jax.Array]:
     """The tensors named in `expected` from the weight file `ref`, placed with `shardings`.
 
     `check(name, entry)` says why a tensor is not what the programs expect (None: it is); it runs
     on the header, before any data is read. With a `checker`, the file is hashed while it is read
-    unless its verified stamp still holds, and refused if the hash does not match.
+    unless its verified stamp still holds, and refused if the hash does not match. A `source` is given the
+    mapping and the header, to place tensors from again later.
     """
     label = ref.file
     out: dict[str, jax.Array] = {}
@@ -211,4 +228,6 @@ def load_file(path: Path, ref: mf.FileRef, checker: Checker | None, shardings: d
                 out[e.name] = place(host_tensor(data, e), shardings[e.name])
         if checker is not None:
             checker.finish(ref, f, started)
+        if source is not None:  # after the check: only a file that matched is placed from again
+            source.data, source.entries = data, {e.name: e for e in entries if e.name in expected}
     return out

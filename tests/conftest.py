@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import fcntl
 import functools
 import os
 import shutil
@@ -18,11 +19,36 @@ from typing import TypeVar
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The CLI's persistent compilation cache: one per test session, never the user's.
-os.environ["WAN_AOT_CACHE_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-cache-")
-atexit.register(shutil.rmtree, os.environ["WAN_AOT_CACHE_DIR"], True)
-os.environ["WAN_AOT_STAMP_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-stamps-")
+# What the test processes of one run share (pytest-xdist's workers, and the processes they start): the session's
+# checkpoints and bundles (`shared`) and the CLI's persistent compilation cache, never the user's. Each worker would
+# otherwise export and compile the same things again. The directory goes when the run ends (pytest_sessionfinish of
+# the process that started it).
+RUN = os.environ.setdefault("WAN_AOT_TEST_RUN", os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}")
+SHARED = Path(tempfile.gettempdir()) / f"wan-aot-tests-{RUN}"
+SHARED.mkdir(mode=0o700, exist_ok=True)
+os.environ["WAN_AOT_CACHE_DIR"] = str(SHARED / "jax-cache")
+os.environ["WAN_AOT_STAMP_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-stamps-")  # stamps: per process
 atexit.register(shutil.rmtree, os.environ["WAN_AOT_STAMP_DIR"], True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the process that started the run (xdist's controller)
+        shutil.rmtree(SHARED, ignore_errors=True)
+
+
+def shared(name: str, build: Callable[[Path], object]) -> Path:
+    """SHARED/name, built once per run by whichever process asks first (`build(path)` makes it; the others wait for
+    it, under a file lock). For the session's read-only inputs: a test that changes one works on a copy."""
+    path = SHARED / name
+    done = SHARED / f"{name}.done"
+    with open(SHARED / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            build(path)
+            done.touch()
+    return path
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -112,12 +138,13 @@ def run_modules(*commands: list[str], timeout: float = 600) -> list[subprocess.C
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints() -> dict[str, Path]:
     """The embedded tiny variants saved with diffusers' save_pretrained."""
     from export import tiny
 
-    root = tmp_path_factory.mktemp("checkpoints")
-    return {name: tiny.save(name, root / name) for name in ("tiny", "tiny-wide")}
+    names = ("tiny", "tiny-wide")
+    root = shared("checkpoints", lambda root: [tiny.save(name, root / name) for name in names])
+    return {name: root / name for name in names}
 
 
 # (variant, resolution, frames, max sequence length)
@@ -128,23 +155,21 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def fp32_bundles(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("bundles")
-    out = {case: root / case for case in CASES}
-    run_modules(*[["export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
-                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[case]), "-q"]
-                  for case, (variant, res, frames, max_len) in CASES.items()])
-    return out
+def fp32_bundles(checkpoints: dict[str, Path]) -> dict[str, Path]:
+    root = shared("bundles", lambda root: run_modules(*[
+        ["export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames), "--dtype",
+         "fp32", "--max-sequence-length", str(max_len), "--out", str(root / case), "-q"]
+        for case, (variant, res, frames, max_len) in CASES.items()]))
+    return {case: root / case for case in CASES}
 
 
 @pytest.fixture(scope="session")
-def bf16_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def bf16_bundle(checkpoints: dict[str, Path]) -> Path:
     """tiny-64x32-f9 exported in bf16."""
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
-    out = tmp_path_factory.mktemp("bf16") / "tiny-64x32-f9"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
-               "--dtype", "bf16", "--max-sequence-length", str(max_len), "--out", str(out), "-q")
-    return out
+    return shared("bf16", lambda root: run_module(
+        "export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames), "--dtype",
+        "bf16", "--max-sequence-length", str(max_len), "--out", str(root / "tiny-64x32-f9"), "-q")) / "tiny-64x32-f9"
 
 
 # A bundle of several shapes: two resolutions (the second portrait) x two frame counts; its default shape is
@@ -153,23 +178,22 @@ SHAPES_CASE = ("tiny", "64x32,32x64", "9,5", 24)
 
 
 @pytest.fixture(scope="session")
-def shapes_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shapes_bundle(checkpoints: dict[str, Path]) -> Path:
     variant, res, frames, max_len = SHAPES_CASE
-    out = tmp_path_factory.mktemp("shapes") / "tiny-shapes"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", frames,
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out), "-q")
-    return out
+    return shared("shapes", lambda root: run_module(
+        "export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", frames, "--dtype", "fp32",
+        "--max-sequence-length", str(max_len), "--out", str(root / "tiny-shapes"), "-q")) / "tiny-shapes"
 
 
 @pytest.fixture(scope="session")
-def cpu8_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cpu8_bundle(checkpoints: dict[str, Path]) -> Path:
     """tiny-64x32-f9 exported for the cpu-8 target (dp=2, sp=2, tp=2; run with 8 fake CPU devices), with a portrait
     shape (32x64) beside its default one."""
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
-    out = tmp_path_factory.mktemp("cpu8") / "bundle"
-    run_module("export", "--model", str(checkpoints[variant]), "--resolution", f"{res},32x64", "--frames", str(frames),
-               "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(out), "-q")
-    return out
+    return shared("cpu8", lambda root: run_module(
+        "export", "--model", str(checkpoints[variant]), "--resolution", f"{res},32x64", "--frames", str(frames),
+        "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(root / "bundle"),
+        "-q")) / "bundle"
 
 
 # Wan 2.2 and image-to-video: one tiny checkpoint per model kind (export/tiny.py), exported fp32 with the CLI.
@@ -181,24 +205,27 @@ KIND_CASES = {
     "flf2v": ("tiny-flf2v", "64x32,32x64", 9, 16),  # and a portrait shape
     "i2v-moe": ("tiny-i2v-moe", "32x48", 9, 16),
 }
+# Lucy Edit (issue 51): a source video's latents beside the noise; the video's frame count picks one of its shapes
+# (9 frames, the default, or 5).
+KIND_CASES["lucy-edit"] = ("tiny-lucy-edit", "64x32", "9,5", 16)
 
 
 @pytest.fixture(scope="session")
-def kind_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def kind_checkpoints() -> dict[str, Path]:
     from export import tiny
 
-    root = tmp_path_factory.mktemp("kind-checkpoints")
-    return {kind: tiny.save(variant, root / kind) for kind, (variant, *_) in KIND_CASES.items()}
+    root = shared("kind-checkpoints", lambda root: [tiny.save(variant, root / kind)
+                                                    for kind, (variant, *_) in KIND_CASES.items()])
+    return {kind: root / kind for kind in KIND_CASES}
 
 
 @pytest.fixture(scope="session")
-def kind_bundles(kind_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("kind-bundles")
-    out = {kind: root / kind for kind in KIND_CASES}
-    run_modules(*[["export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
-                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out[kind]), "-q"]
-                  for kind, (_, res, frames, max_len) in KIND_CASES.items()])
-    return out
+def kind_bundles(kind_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    root = shared("kind-bundles", lambda root: run_modules(*[
+        ["export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames), "--dtype",
+         "fp32", "--max-sequence-length", str(max_len), "--out", str(root / kind), "-q"]
+        for kind, (_, res, frames, max_len) in KIND_CASES.items()]))
+    return {kind: root / kind for kind in KIND_CASES}
 
 
 def test_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
@@ -229,21 +256,18 @@ SKYREELS_CASES = {
 
 
 @pytest.fixture(scope="session")
-def skyreels_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def skyreels_checkpoints() -> dict[str, Path]:
     from export import tiny
 
-    root = tmp_path_factory.mktemp("skyreels-checkpoints")
-    variants = dict.fromkeys(v for v, *_ in SKYREELS_CASES.values())
-    return {v: tiny.save(v, root / v) for v in variants}
+    variants = list(dict.fromkeys(v for v, *_ in SKYREELS_CASES.values()))
+    root = shared("skyreels-checkpoints", lambda root: [tiny.save(v, root / v) for v in variants])
+    return {v: root / v for v in variants}
 
 
 @pytest.fixture(scope="session")
-def skyreels_bundles(skyreels_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-                     ) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("skyreels-bundles")
-    out = {case: root / case for case in SKYREELS_CASES}
-    run_modules(*[["export", "--model", str(skyreels_checkpoints[variant]), "--resolution", res, "--frames", frames,
-                   "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", target, "--out",
-                   str(out[case]), "-q"]
-                  for case, (variant, res, frames, max_len, target) in SKYREELS_CASES.items()])
-    return out
+def skyreels_bundles(skyreels_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    root = shared("skyreels-bundles", lambda root: run_modules(*[
+        ["export", "--model", str(skyreels_checkpoints[variant]), "--resolution", res, "--frames", frames, "--dtype",
+         "fp32", "--max-sequence-length", str(max_len), "--target", target, "--out", str(root / case), "-q"]
+        for case, (variant, res, frames, max_len, target) in SKYREELS_CASES.items()]))
+    return {case: root / case for case in SKYREELS_CASES}

@@ -33,6 +33,11 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     test_image(70, 50, seed=3, mode="RGBA").save(out["rgba"])
     (root / "notes.png").write_text("not an image")
     out["text"] = root / "notes.png"
+    # Lucy Edit's source videos (mp4, another size than the bundle's): 9 frames (a shape's), and 7 (none's)
+    from .test_video_in import _mp4, _video
+
+    for name, frames in (("video", 9), ("video7", 7)):
+        out[name] = _mp4(_video(frames, 70, 50, seed=frames), root / f"{name}.mp4")
     return out
 
 
@@ -74,11 +79,12 @@ def test_three_stage_cli_carries_the_image_conditioning(kind_bundles, images, tm
         assert gif.n_frames == KIND_CASES["i2v"][2] and gif.size == (48, 32)
 
 
-@pytest.mark.parametrize("kind", ["i2v", "t2v-moe"])
+@pytest.mark.parametrize("kind", ["i2v", "t2v-moe", "lucy-edit"])
 def test_same_frames_on_1_and_8_devices(kind: str, kind_bundles, kind_checkpoints, images, tmp_path: Path) -> None:
     _, res, frames, max_len = KIND_CASES[kind]
     cpu8 = tmp_path / "cpu8"
-    extra = ("--image", str(images["first"])) if kind == "i2v" else ("--guidance-2", "2.5")
+    extra = {"i2v": ("--image", str(images["first"])), "t2v-moe": ("--guidance-2", "2.5"),
+             "lucy-edit": ("--video", str(images["video"]))}[kind]  # an mp4 whose 9 frames pick the shape
     run_modules(["export", "--model", str(kind_checkpoints[kind]), "--resolution", res, "--frames", str(frames),
                  "--dtype", "fp32", "--max-sequence-length", str(max_len), "--target", "cpu-8", "--out", str(cpu8),
                  "-q"],
@@ -103,6 +109,14 @@ def test_same_frames_on_1_and_8_devices(kind: str, kind_bundles, kind_checkpoint
     ("i2v", ("--image", "{first}", "--flow-shift", "1e-30"), "flow shift 1e-30 gives an unusable"),
     ("i2v", ("--image", "{first}", "--fps", "0"), "fps must be an integer >= 1, got 0"),
     ("i2v", ("--image", "{first}", "--out-name", "video.avi"), "cannot write video format '.avi'"),
+    ("lucy-edit", (), "this bundle is Lucy Edit (video editing from an instruction): it needs a source video "
+                      "(--video FILE"),
+    ("lucy-edit", ("--video", "{video7}"), "the video has 7 frames; this bundle makes 5 or 9 (its shapes: 64x32 x 9 "
+                                           "frames"),
+    ("lucy-edit", ("--video", "{video}", "--frames", "5"), "the video has 9 frames but frames=5 was asked"),
+    ("lucy-edit", ("--video", "{video}", "--image", "{first}"), "it takes no image"),
+    ("lucy-edit", ("--video", "{video}", "--mask", "{video}"), "it takes no mask"),
+    ("lucy-edit", ("--video", "{video}", "--strength", "0.5"), "strength is for video-to-video"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(kind: str, args: tuple, message: str, kind_bundles, images,
                                                   tmp_path: Path) -> None:

@@ -30,11 +30,12 @@ def _pins(name: str) -> dict[str, tuple[Version, str]]:
 
 
 def test_the_sets() -> None:
-    assert SETS == {"runtime": ["serve", "postgres", "objectstore"], "cuda": ["serve", "cuda"], "export": ["export"],
-                    "test": ["export", "serve", "test", "savedmodel", "postgres", "objectstore"]}
+    assert SETS == {"runtime": ["serve", "postgres", "objectstore"], "cuda": ["serve", "cuda"],
+                    "tpu": ["serve", "postgres", "objectstore", "tpu"], "export": ["export"],
+                    "test": ["export", "serve", "test", "savedmodel", "postgres", "objectstore", "tpu"]}
 
 
-@pytest.mark.parametrize("name", ["runtime", "cuda", "export", "test"])
+@pytest.mark.parametrize("name", ["runtime", "cuda", "tpu", "export", "test"])
 def test_lock_agrees_with_pyproject(name: str) -> None:
     """Every requirement of the set (the runtime's and its extras') is pinned within pyproject.toml's range, with a
     sha256 per pinned package: a dependency changed in pyproject.toml without re-locking fails here."""
@@ -57,6 +58,10 @@ def test_the_pins_bundles_depend_on() -> None:
         assert pins["jax"][0] == pins["jaxlib"][0] == Version("0.10.2"), name
         gpu = {p for p in pins if p.startswith(("nvidia-", "triton", "jax-cuda"))}
         assert bool(gpu) == (name == "cuda"), (name, sorted(gpu))  # no CUDA wheels outside the cuda set
+        # libtpu where `runtime fit` must work (TPU hosts, CI): the release jax[tpu] 0.10.2 pins
+        assert ("libtpu" in pins) == ("tpu" in SETS[name]), name
+        if "libtpu" in pins:
+            assert str(pins["libtpu"][0]).startswith("0.0.42."), name
         if "export" in SETS[name]:  # the CPU build torchax 0.0.13 is patched for (a CUDA torch is GBs)
             assert str(pins["torch"][0]) == "2.13.0+cpu" and str(pins["torchax"][0]) == "0.0.13"
         else:

@@ -194,3 +194,47 @@ print(json.dumps({"specs": [str(w[n].sharding.spec) for n in names], "q": np.asa
     np.testing.assert_allclose(out[8, "lora"]["q"], out[1, "lora"]["q"], rtol=0, atol=1e-6)
     assert np.abs(np.subtract(out[1, "lora"]["q"], out[1, "plain"]["q"])).max() > 1e-3
     np.testing.assert_allclose(out[8, "lora"]["lat"], out[1, "lora"]["lat"], rtol=0, atol=1e-5)
+
+
+def test_a_per_expert_pair_switched_in(kind_bundles, tmp_path) -> None:
+    """Wan2.2-Lightning ships one LoRA per expert. On the two-expert bundle, two adapters both made for the first
+    expert, run after a plain job as a pair with `expert` high and low (the second moved to transformer_2), make
+    exactly the frames `runtime generate` makes in a fresh process with the pair converted for each expert (the low
+    one into transformer_2, as --lora-into does); through the server's request check and worker too."""
+    from runtime.serve.schema import Body, Offer, parse_request
+    from runtime.serve.worker import run_job
+
+    from .test_lora_switch import make_adapter
+    from .test_serve import _mp4_frames
+
+    bundle = kind_bundles["t2v-moe"]
+    high = make_adapter(bundle, tmp_path / "dir" / "high.safetensors", seed=3)
+    make_adapter(bundle, tmp_path / "dir" / "low.safetensors", seed=4)
+    low_2 = make_adapter(bundle, tmp_path / "low_2.safetensors", seed=4, group="transformer_2")
+    run_module("runtime", "generate", str(bundle), "--prompt", PROMPT, "--seed", "2", "--steps", "6", "--guidance",
+               "4", "--lora", f"{high}:1", "--lora", f"{low_2}:0.5", "--out", str(tmp_path / "cli.mp4"),
+               "--frames-out", str(tmp_path / "cli.safetensors"), "-q")
+    from safetensors.numpy import load_file
+
+    cli = load_file(str(tmp_path / "cli.safetensors"))["frames"]
+    pipe = runtime.load(bundle, lora_dir=tmp_path / "dir")
+    assert pipe.loras["low"].groups == ("transformer",)
+    assert pipe.loras["low"].targets == ("transformer", "transformer_2")
+    run = {"seed": 2, "steps": 6, "guidance": 4.0, "progress": False}
+    plain = pipe.generate(PROMPT, loras=[], **run)
+    pair = pipe.generate(PROMPT, loras=[("high", 1.0, "high"), ("low", 0.5, "low")], **run)
+    assert np.array_equal(pair, cli) and not np.array_equal(plain, cli)
+    assert pipe.use_loras([(high, 1.0), (low_2, 0.5)]) is not None  # another file for the low one: another key...
+    assert np.array_equal(pipe.generate(PROMPT, **run), cli)  # ...the same weights
+    # a request's entries, checked by the server's field table, run by its worker (from no adapter again)
+    pipe.use_loras([])
+    offer = Offer.of(pipe.manifest, "moe", adapters=tuple(pipe.loras.values()))
+    params = parse_request(Body({"prompt": PROMPT, "seed": 2, "num_inference_steps": 6, "guidance_scale": 4,
+                                 "lora": [{"name": "high", "scale": 1}, {"name": "low", "scale": 0.5,
+                                                                         "expert": "low"}]}, {}, form=False),
+                           offer, pipe, None)
+    taken = []
+    run_job(pipe, params, [], tmp_path / "served.mp4", on_lora=taken.append)
+    assert taken[0] is not None and taken[0]["tensors"] == 40  # 20 tensors of each expert
+    served, expected = (_mp4_frames((tmp_path / f"{n}.mp4").read_bytes(), tmp_path) for n in ("served", "cli"))
+    assert np.array_equal(served, expected)

@@ -38,7 +38,14 @@ def browser() -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def ui_server(shapes_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(shapes_bundle, tmp_path_factory.mktemp("ui") / "jobs", "--api-key", KEY) as server:
+    """The tiny bundle of two sizes, with a key and two LoRA adapters offered."""
+    from .test_lora_switch import make_adapter
+
+    root = tmp_path_factory.mktemp("ui")
+    for seed, name in enumerate(("style", "subject")):
+        make_adapter(shapes_bundle, root / "loras" / f"{name}.safetensors", seed=seed, rank=2 + seed)
+    with serving(shapes_bundle, root / "jobs", "--api-key", KEY, "--lora-dir", str(root / "loras"),
+                 "--max-loras", "2") as server:
         yield server
 
 
@@ -122,6 +129,36 @@ def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_p
     assert listed[0]["prompt"] == HOSTILE and listed[0]["size"] == "32x64" and listed[0]["status"] == "completed"
     assert not problems, problems
 
+    page.close()
+
+
+def test_the_page_offers_the_lora_adapters(browser, ui_server: Server) -> None:
+    """The server's adapters (GET /v1/models) as rows of a name, a scale (and on two-expert bundles an expert), at
+    most --max-loras of them; the job runs with the chosen set, as the server's log says."""
+    page = browser.new_page()
+    page.goto(ui_server.url + "/")
+    page.evaluate(f"sessionStorage.setItem('wan-aot-api-key', '{KEY}')")
+    page.reload()
+    sync_api.expect(page.get_by_label("Prompt", exact=True)).to_be_visible()
+    add = page.get_by_role("button", name="Add a LoRA")
+    assert page.locator("#loras li").count() == 0 and add.is_visible()
+    add.click()
+    add.click()
+    assert page.locator("#loras li").count() == 2 and not add.is_visible()  # --max-loras 2
+    names = page.get_by_label("LoRA", exact=True)
+    assert names.first.locator("option").all_inner_texts() == ["style (rank 2, transformer)",
+                                                               "subject (rank 3, transformer)"]
+    assert page.get_by_label("LoRA expert").count() == 0  # one expert
+    names.nth(1).select_option("subject")
+    page.get_by_label("LoRA scale").nth(1).fill("-0.5")
+    page.get_by_role("button", name="Remove").first.click()  # style goes: subject at -0.5 stays
+    assert page.locator("#loras li").count() == 1 and add.is_visible()
+    page.get_by_label("Prompt", exact=True).fill("a styled fox")
+    page.get_by_label("Steps").fill("1")
+    page.get_by_role("button", name="Generate").click()
+    job = page.locator("#jobs li", has_text="a styled fox")
+    sync_api.expect(job.locator("video")).to_have_count(1, timeout=120_000)
+    assert "LoRA set subject@-0.5, switched to in" in ui_server.output()
     page.close()
 
 

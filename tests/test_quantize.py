@@ -372,3 +372,17 @@ def test_clip_kind_quantizes_the_image_encoder_too(kind_checkpoints, kind_bundle
         out.append(pipe.generate(PROMPT, **images, seed=2, steps=STEPS, latents=pipe.initial_latents(2),
                                  progress=False))
     assert quality.psnr(*out) >= PSNR_BOUND["int8"]
+
+
+def test_lora_switches_on_int8_quantize_again_from_the_stored_weights(quant_bundles, tmp_path) -> None:
+    """The jobs none -> A -> B -> A+B at (0.5, 1.0) -> none -> A in one pipeline on the int8 bundle: every switch merges
+    each quantized tensor again from its stored int8 values and scale (dequantized, the set added, quantized again,
+    never from the last merge), so each job's frames are exactly those `runtime generate --lora` makes in a fresh
+    process with its set, and the weights and scales end bit for bit as a fresh load's (tests/test_lora_switch.py)."""
+    from .test_lora_switch import SEQUENCE, check_sequence, cli_references, make_adapter
+
+    bundle = quant_bundles["t2v", "int8"]
+    make_adapter(bundle, tmp_path / "loras" / "A.safetensors", seed=1)
+    make_adapter(bundle, tmp_path / "loras" / "B.safetensors", seed=2, rank=2)
+    check_sequence(bundle, tmp_path / "loras",
+                   cli_references(bundle, tmp_path / "loras", list(SEQUENCE), tmp_path / "cli"))

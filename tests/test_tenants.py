@@ -175,6 +175,48 @@ def test_the_queue_takes_turns_between_tenants(store_url: str | None, tmp_path: 
     store.close()
 
 
+def test_a_replica_prefers_jobs_of_the_lora_set_it_holds(store_url: str | None, tmp_path: Path) -> None:
+    """LoRA affinity (`--lora-affinity-max N`): a replica takes the first queued job, in the order the tenants' turns
+    give, whose set is the one its weights hold, unless a job ahead of it was passed over N times already; on SQLite
+    and PostgreSQL alike. A, B, A, B, A, B from no adapter: 2 switches with N = 4 (6 in strict turns); N = 1 lets no
+    job be passed twice. Between tenants the turns still order the jobs: bob's first job waits two of alice's, not
+    three."""
+    from runtime.serve.jobs import open_store
+    from runtime.serve.loras import set_key
+
+    store = open_store(tmp_path / "jobs", store_url, None, lease=60)
+
+    def queue(jobs: str, tenants: str = "") -> None:  # "ABAB": one job of each set; tenants: one letter a job
+        for i, name in enumerate(jobs):
+            tenant = tenants[i] if tenants else "t"
+            n = sum(1 for j in range(i) if jobs[j] == name and (not tenants or tenants[j] == tenant))
+            store.add(model="m", size="64x32", seconds="1", prompt=f"{tenant if tenants else ''}{name}{n + 1}",
+                      params={"lora": [{"name": name, "scale": 1.0, "expert": None}]}, images=[], queue_size=100,
+                      tenant=tenant)
+
+    def run(passes: int) -> tuple[list[str], int, int]:
+        held, order, switches = "[]", [], 0
+        while (job := store.claim(held, passes)) is not None:
+            key = set_key(job.params["lora"])
+            switches, held = switches + (key != held), key
+            order.append(job.prompt)
+            store.complete(job, store.video_key(job))
+        with store.db.transaction(exclusive=False) as tx:
+            most = tx.one("SELECT MAX(lora_passed) FROM jobs")[0]
+            tx.execute("DELETE FROM jobs")
+        return order, switches, int(most)
+
+    queue("ABABAB")
+    assert run(4) == (["A1", "A2", "A3", "B1", "B2", "B3"], 2, 2)
+    queue("ABABAB")
+    assert run(0) == (["A1", "B1", "A2", "B2", "A3", "B3"], 6, 0)
+    queue("ABABAB")
+    assert run(1) == (["A1", "A2", "B1", "B2", "B3", "A3"], 3, 1)
+    queue("ABABAB", tenants="ababab")  # alice's jobs are A, bob's B
+    assert run(4) == (["aA1", "aA2", "aA3", "bB1", "bB2", "bB3"], 2, 2)
+    store.close()
+
+
 def test_a_tenant_may_have_only_so_many_jobs_waiting(tmp_path: Path) -> None:
     """--tenant-queue-size: one tenant's burst cannot fill the whole queue for the others."""
     from runtime.serve.tenants import Keys

@@ -31,8 +31,10 @@ from benchmarks import (  # noqa: E402
     eager,
     export_time,
     fewsteps,
+    fit,
     forcing,
     load,
+    lora,
     quantize,
     ready,
     roofline,
@@ -59,6 +61,8 @@ MEASURES = {  # name: (module, the question it answers)
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
+    "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
+    "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
 }
 
 

@@ -5,8 +5,9 @@
 #
 #   runtime.lock  the runtime and a server (serve, postgres, objectstore): no torch
 #   cuda.lock     the same on NVIDIA GPUs (the cuda extra: jax's CUDA 12 plugin and CUDA wheels)
+#   tpu.lock      the same on TPU hosts, and `runtime fit` on any machine (the tpu extra: libtpu)
 #   export.lock   the runtime and the export side (torch's CPU wheel, torchax, diffusers, transformers)
-#   test.lock     what CI installs: export, serve, test, savedmodel, postgres, objectstore
+#   test.lock     what CI installs: export, serve, test, savedmodel, postgres, objectstore, tpu
 #
 # Linux x86_64, Python 3.11. torch is the CPU build (2.13.0+cpu): PyPI's torch wheel for Linux is the CUDA one,
 # which pulls several GB of CUDA libraries; TORCH_CPU says where the CPU wheel is (default: this machine's
@@ -23,11 +24,12 @@ lock() {  # NAME EXTRA...
     for e in "$@"; do extras+=(--extra "$e"); done
     # shellcheck disable=SC2086  # TORCH_CPU is several arguments
     uv pip compile pyproject.toml "${extras[@]}" --generate-hashes --python-version 3.11 \
-        --python-platform x86_64-manylinux_2_28 $TORCH_CPU --no-emit-find-links --no-emit-index-url \
+        --python-platform x86_64-manylinux_2_31 $TORCH_CPU --no-emit-find-links --no-emit-index-url \
         --custom-compile-command "tools/lock.sh" -o "requirements/$name.lock" -q
 }
 mkdir -p requirements
 lock runtime serve postgres objectstore
 lock cuda serve cuda
+lock tpu serve postgres objectstore tpu
 lock export export
-lock test export serve test savedmodel postgres objectstore
+lock test export serve test savedmodel postgres objectstore tpu

@@ -46,7 +46,8 @@ _COLUMNS_DDL = """
     owner TEXT,                           -- the replica that claimed it (runtime/serve/jobs.py replica_id)
     heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0,  -- seconds since the epoch, the database's clock
     video TEXT,                           -- storage key of the finished video
-    tenant TEXT NOT NULL DEFAULT 'default'  -- the name of the tenant whose key created it (runtime/serve/tenants.py)
+    tenant TEXT NOT NULL DEFAULT 'default',  -- the name of the tenant whose key created it (runtime/serve/tenants.py)
+    lora_passed INTEGER NOT NULL DEFAULT 0  -- times a replica took a job behind it for its LoRA set (jobs.py claim)
 """
 _SCHEMA = [
     f"CREATE TABLE IF NOT EXISTS jobs ({_COLUMNS_DDL})",
@@ -55,8 +56,9 @@ _SCHEMA = [
     # when a job of each tenant was last claimed (the database's clock): whose turn it is next (jobs.py)
     "CREATE TABLE IF NOT EXISTS wan_aot_tenants (name TEXT PRIMARY KEY, served DOUBLE PRECISION NOT NULL)",
 ]
-# Columns added since version 1, and what needs them: an upgrade adds those missing.
-_ADDED = (("tenant", "TEXT NOT NULL DEFAULT 'default'"),)
+# Columns added since version 1, and what needs them: an upgrade adds those missing. `lora_passed` needs no new version:
+# a replica of version 2 that knows nothing of it reads and writes the jobs as before (its claims ignore it).
+_ADDED = (("tenant", "TEXT NOT NULL DEFAULT 'default'"), ("lora_passed", "INTEGER NOT NULL DEFAULT 0"))
 _AFTER_ADDED = ["CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)"]
 
 

@@ -135,10 +135,14 @@ class JobStore:
         with self.db.transaction(exclusive=False) as tx:
             _check_room(tx, tenant, queue_size, tenant_queue_size)
 
-    def claim(self) -> Job | None:
+    def claim(self, prefer: str | None = None, passes: int = 0) -> Job | None:
         """The next job, now this replica's (attempt counted, heartbeat stamped, its tenant's turn taken), or None:
         one whose lease ran out first (the oldest), then the oldest queued job of the tenant served longest ago. A job
-        out of attempts is failed on the way (`attempts_exhausted`)."""
+        out of attempts is failed on the way (`attempts_exhausted`).
+
+        `prefer`: the LoRA set this replica's weights hold (runtime/serve/loras.py set_key). Of the queued jobs, in
+        that same order, it takes the first of that set instead, so that it need not switch, unless a job ahead of it
+        was passed over `passes` times already: no job waits for more than `passes` others because of a set."""
         while True:
             with self.db.transaction(exclusive=True) as tx:  # one claim at a time: each sees the turns before it
                 row = tx.one(f"SELECT id, status, attempts, owner, tenant FROM jobs AS j WHERE status = 'queued' OR "
@@ -149,6 +153,8 @@ class JobStore:
                 if row is None:
                     return None
                 job_id, status, attempts, owner, tenant = row
+                if status == "queued" and prefer is not None and passes > 0:
+                    job_id, tenant = self._prefer(tx, prefer, passes)
                 if status == "in_progress" and attempts >= self.max_attempts:
                     tx.execute(f"UPDATE jobs SET status = 'failed', completed_at = {self.db.now_int}, "
                                "error_code = 'attempts_exhausted', error_message = ? WHERE id = ?",
@@ -275,6 +281,22 @@ class JobStore:
         return f"videos/{job.id}-{job.attempts}.mp4"
 
     # -- internals ----------------------------------------------------------
+    def _prefer(self, tx: Any, prefer: str, passes: int) -> tuple[str, str]:
+        """(id, tenant) of the queued job `claim` takes for LoRA set `prefer` (loras.pick), the jobs before it in the
+        tenants' turns each counted as passed over once; in the claim's transaction."""
+        from .loras import pick, set_key
+
+        rows = _turns(tx.all("SELECT id, tenant, params, lora_passed FROM jobs AS j WHERE status = 'queued' ORDER BY "
+                             "COALESCE((SELECT served FROM wan_aot_tenants WHERE name = j.tenant), 0), seq"
+                             f"{self.db.skip_locked}"))
+        i = pick([(set_key(json.loads(params).get("lora")), int(passed)) for _, _, params, passed in rows], prefer,
+                 passes)
+        if i > 0:
+            ahead = [row[0] for row in rows[:i]]
+            tx.execute(f"UPDATE jobs SET lora_passed = lora_passed + 1 WHERE id IN ({', '.join('?' * len(ahead))})",
+                       tuple(ahead))
+        return rows[i][0], rows[i][1]
+
     def _fenced(self, job: Job, assignments: str, args: tuple) -> bool:
         with self.db.transaction(exclusive=False) as tx:
             n = tx.execute(f"UPDATE jobs SET {assignments} WHERE id = ? AND owner = ? AND attempts = ? "
@@ -297,6 +319,17 @@ def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None 
     if isinstance(storage, Directory) and queue is None:  # one server owns the directory: left by a crash of it
         storage.remove_partials()
     return JobStore(open_database(queue, jobs_dir), storage, lease)
+
+
+def _turns(rows: list[tuple]) -> list[tuple]:
+    """Queued jobs (id, tenant, ...), ordered by their tenant's turn then age, in the order claims would take them if no
+    job came in: every tenant's oldest in turn, then every tenant's second, and so on (each claim sends its tenant to
+    the back of the turns)."""
+    by_tenant: dict[str, list[tuple]] = {}
+    for row in rows:
+        by_tenant.setdefault(row[1], []).append(row)
+    queues = list(by_tenant.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
 def _check_room(tx: Any, tenant: str, queue_size: int, tenant_queue_size: int | None) -> None:

@@ -31,6 +31,8 @@ class Metrics:
     job_seconds: Any
     request_seconds: Any
     replica_jobs: Any
+    lora_switches: Any = None  # wan_aot_lora_switches_total: LoRA set changes between jobs on this replica
+    lora_switch_seconds: Any = None  # one change: the tensors it touches merged again from their unmodified weights
 
 
 def make_metrics(store: JobStore) -> Metrics:
@@ -74,5 +76,10 @@ def make_metrics(store: JobStore) -> Metrics:
         job_seconds=Histogram("wan_aot_job_seconds", "one job, encode to mp4", registry=reg,
                               buckets=(*buckets, 600, 1800)),
         request_seconds=Histogram("wan_aot_request_seconds", "HTTP request latency", ["method", "route", "status"],
-                                  registry=reg, buckets=buckets), replica_jobs=replica)
+                                  registry=reg, buckets=buckets), replica_jobs=replica,
+        lora_switches=Counter("wan_aot_lora_switches", "changes of the LoRA set between this replica's jobs",
+                              registry=reg),
+        lora_switch_seconds=Histogram("wan_aot_lora_switch_seconds", "one change of the LoRA set: the tensors it "
+                                      "touches merged again from their unmodified weights", registry=reg,
+                                      buckets=(0.001, 0.005, *buckets)))
 

@@ -75,6 +75,16 @@ class Shape(_Strict):
     reference_images: int = Field(description="VACE: the reference images this shape's programs take (0 else)")
 
 
+class Lora(_Strict):
+    """A LoRA adapter a request may name in `lora` (serve --lora-dir)."""
+
+    name: str = Field(description="what `lora` entries name it by (its file name without .safetensors)")
+    rank: int = Field(description="the largest rank of its layers")
+    experts: list[str] = Field(description="the experts it changes: `transformer` on one-expert bundles, `high` / "
+                                           "`low` on two-expert ones (an entry's `expert` may apply it to the other)")
+    tensors: int = Field(description="how many of the bundle's tensors it changes")
+
+
 class Defaults(_Strict):
     """What a request that leaves these out runs with (the bundle's, from its checkpoint or `--defaults`)."""
 
@@ -110,6 +120,8 @@ class Model(_Strict):
     dtype: str
     quantize: str | None
     shapes: list[Shape]
+    loras: list[Lora] = Field(description="the LoRA adapters the caller may name in `lora` ([] where none is offered)")
+    max_loras: int = Field(description="the most adapters one request may name")
 
 
 class ModelList(_Strict):

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
-from . import access
+from . import access, loras
 from . import openapi as oa
 from .errors import ApiError
 from .jobs import Job, JobStore, QueueFull
@@ -124,12 +124,13 @@ def create_app(state: State) -> FastAPI:
 
     @app.get("/v1/models", operation_id="listModels", response_model=None, summary="The bundle served",
              responses={200: {"model": oa.ModelList}, **oa.errors(503)})
-    def models() -> dict[str, Any]:
-        """The OpenAI list of models: this server's bundle, with the shapes it makes (once loaded)."""
+    def models(request: Request) -> dict[str, Any]:
+        """The OpenAI list of models: this server's bundle, with the shapes it makes and the LoRA adapters the caller
+        may use (once loaded)."""
         if not state.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
                            headers={"Retry-After": "5"})
-        return {"object": "list", "data": [model_card(state)]}
+        return {"object": "list", "data": [model_card(state, request.state.tenant)]}
 
     @app.post("/v1/videos", operation_id="createVideo", summary="Queue a job",
               openapi_extra={"requestBody": oa.create_request(state.offer)},
@@ -254,12 +255,14 @@ def route_of(app: FastAPI, scope: dict[str, Any]) -> str:
     return partial or "other"
 
 
-def model_card(state: State) -> dict[str, Any]:
+def model_card(state: State, tenant: str | None = None) -> dict[str, Any]:
     """The OpenAI model object of the bundle served, with what a client needs to pick a request's shape: each
-    shape's size, frames and seconds at the bundle's fps (the first is the default)."""
+    shape's size, frames and seconds at the bundle's fps (the first is the default); and the LoRA adapters offered
+    (those `tenant` may use)."""
     pipe = state.pipe
     m = pipe.manifest
     fps = m.defaults.fps
+    allowed = _allowed_loras(state, tenant)
     manifest = state.settings.bundle / "manifest.json"
     created = int(manifest.stat().st_mtime) if manifest.is_file() else 0  # when the bundle was written
     return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
@@ -276,7 +279,16 @@ def model_card(state: State) -> dict[str, Any]:
             "dtype": m.dtype, "quantize": m.quantize,
             "shapes": [{"size": g.size, "frames": g.frames, "seconds": seconds_of(g.frames, fps), "default": i == 0,
                         "reference_images": g.reference_images}
-                       for i, g in enumerate(m.shapes)]}
+                       for i, g in enumerate(m.shapes)],
+            "loras": [loras.card(a, pipe.kind.experts > 1) for a in state.offer.loras
+                      if allowed is None or a.name in allowed],
+            "max_loras": state.offer.max_loras}
+
+
+def _allowed_loras(state: State, tenant: str | None) -> frozenset[str] | None:
+    """The adapters `tenant` may use (its `loras=` in the keys file), None: any."""
+    keys = state.settings.keys
+    return keys.loras(tenant) if keys is not None and tenant is not None else None
 
 
 def _room(state: State, tenant: str) -> None:
@@ -301,6 +313,7 @@ def _create(state: State, body: Body, tenant: str) -> JSONResponse:
     with state.decodes:  # a decoded image (or video) can take far more memory than its upload: a few at a time
         params = parse_request(body, state.offer, state.pipe,
                                state.settings.magcache.to_json() if state.settings.magcache is not None else None)
+    loras.check_tenant(params.get("lora"), _allowed_loras(state, tenant))
     try:
         job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
                               prompt=params["prompt"], params=params,

@@ -29,6 +29,7 @@ from .. import animate, forcing, kinds, samplers
 from ..errors import UserError
 from ..manifest import Defaults, Manifest
 from ..settings import MAX_SEED
+from . import loras as lora_api
 from .errors import ApiError
 
 MAX_BODY_BYTES = 32 << 20  # a request (form fields and images)
@@ -66,16 +67,18 @@ class Offer:
     max_steps: int = MAX_STEPS
     video_to_video: bool = False  # a text-to-video bundle that takes a source video (Manifest.video_to_video)
     reference_counts: tuple[int, ...] = (0,)  # VACE: the counts of reference images its programs serve
+    loras: tuple[Any, ...] = ()  # the LoRA adapters offered (--lora-dir), runtime.lora.Adapter each
+    max_loras: int = lora_api.MAX_LORAS  # the most adapters one request may name (--max-loras)
     max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing: the longest video a job may ask for
 
     @classmethod
-    def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS,
-           max_seconds: float = DEFAULT_MAX_SECONDS) -> Offer:
+    def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS, adapters: tuple[Any, ...] = (),
+           max_loras: int = lora_api.MAX_LORAS, max_seconds: float = DEFAULT_MAX_SECONDS) -> Offer:
         return cls(models=tuple(dict.fromkeys((name, manifest.bundle_id))),
                    shapes=tuple(dict.fromkeys((g.size, g.frames) for g in manifest.shapes)),
                    kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
                    video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts),
-                   max_seconds=max_seconds)
+                   loras=tuple(adapters), max_loras=max_loras, max_seconds=max_seconds)
 
     @property
     def video_reference(self) -> bool:
@@ -118,8 +121,9 @@ Bound = float | Callable[[Offer], float] | None
 @dataclass(frozen=True)
 class Field:
     """One field of the create request. `type` is "string", "integer", "number", "numbers" (a JSON array of numbers,
-    in a form their text joined by commas) or "file" (a file part in a multipart form, a base64 data URL in JSON;
-    `accepts` says what it holds, `repeat` how many times it may be sent)."""
+    in a form their text joined by commas), "file" (a file part in a multipart form, a base64 data URL in JSON;
+    `accepts` says what it holds, `repeat` how many times it may be sent) or "loras" (a list of LoRA entries,
+    runtime/serve/loras.py)."""
 
     name: str
     type: str
@@ -155,6 +159,8 @@ class Field:
 
     def schema(self, offer: Offer, form: bool) -> dict[str, Any]:
         """The field's JSON Schema in the request body of a JSON (form=False) or multipart (form=True) request."""
+        if self.type == "loras":
+            return lora_api.schema(offer, form, self.description)
         if self.type == "file":
             media = self.accepts(offer)
             if form:
@@ -188,6 +194,8 @@ class Field:
     def check(self, value: Any, offer: Offer, form: bool) -> Any:
         """The value, checked against the field's type, limits and enum (a form field's text is read as JSON would
         read it); an ApiError(400) naming the field otherwise."""
+        if self.type == "loras":
+            return lora_api.check(value, offer, form)
         if self.type in ("integer", "number"):
             number = _number(value, self.type == "integer", form)
             lo, hi = self.bounds(offer)
@@ -277,8 +285,9 @@ FIELDS: tuple[Field, ...] = (
           "/v1/models), in overlapping segments of the size's longest shape.", offered=lambda o: not o.kind.animate,
           refusal=lambda o: "a Wan-Animate video is as long as its pose video: leave seconds out"),
     Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), the "
-          "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles; mp4, "
-          "webm, gif): its frame count picks the video's frames.",
+          "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles, and "
+          "Lucy Edit bundles, which need it: the video to edit; mp4, webm, gif): its frame count picks the video's "
+          "frames.",
           offered=lambda o: o.kind.image != "none" or o.takes_video,
           accepts=lambda o: "video" if o.video_reference else "image",
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image or video (export an image-to-video, "
@@ -358,6 +367,10 @@ FIELDS: tuple[Field, ...] = (
           param="sigmas", minimum=SIGMA_MIN, maximum=1, max_items=lambda o: o.max_steps),
     Field("fps", "integer", "The frame rate the mp4 plays at.", param="fps", minimum=1, maximum=MAX_FPS,
           default=lambda o: o.defaults.fps),
+    Field("lora", "loras", "LoRA adapters to run with, from those GET /v1/models lists: each {\"name\", \"scale\"} "
+          "(scale in -4..4, default 1), on two-expert bundles with \"expert\": \"high\" or \"low\" (default: the "
+          "experts the adapter was made for); left out, none.", param="lora", offered=lambda o: bool(o.loras),
+          refusal=lambda o: "this server offers no LoRA adapters (start it with --lora-dir DIR)"),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 FILE_FIELDS = tuple(f.name for f in FIELDS if f.type == "file")
@@ -370,6 +383,8 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     required = [f.name for f in fields if f.required]
     if offer.kind.image == "required":  # the first image, and the last for first-last-frame bundles
         required += ["input_reference"] + (["last_image"] if offer.kind.last_image else [])
+    if offer.kind.video == "required":  # the source video (Lucy Edit)
+        required += ["input_reference"]
     if offer.kind.animate:
         required += ["pose_video", "face_video"]
     schema = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields}, "required": required,
@@ -566,6 +581,12 @@ def _check_media(files: dict[str, list[bytes]], offer: Offer) -> dict[str, Any]:
     """Check every uploaded file (images decode, videos decode and count their frames); returns what the other
     checks need: the video's and the mask's frame counts and sizes."""
     out: dict[str, Any] = {}
+    if offer.kind.video == "required" and "input_reference" not in files:  # Lucy Edit: the video to edit
+        try:
+            kinds.check_videos(offer.kind, offer.video_to_video, None, None, None)
+        except UserError as e:
+            raise ApiError(400, str(e).replace("--video FILE / video=...", "input_reference"),
+                           "input_reference") from None
     if not offer.video_reference:
         first, last = (files.get(n, [None])[0] for n in ("input_reference", "last_image"))
         try:
@@ -709,6 +730,8 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_byte
         form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=max_part_bytes)
         fields = {}
         for name, value in form.multi_items():
+            if lora_api.form_part(name, value, fields):  # the openai SDK's lora[][name], lora[][scale] parts
+                continue
             if name.endswith("[]") and BY_NAME.get(name[:-2], FIELDS[0]).type == "numbers":
                 name = name[:-2]  # how the openai SDK sends a list in a form: one `sigmas[]` part an item
             if hasattr(value, "read"):  # an uploaded file

@@ -13,6 +13,7 @@ from .access import Names
 from .jobs import JobStore
 from .lease import DEFAULT_STALL_S
 from .limits import Limits, Slots
+from .loras import AFFINITY_MAX, MAX_LORAS
 from .schema import DEFAULT_MAX_SECONDS, MAX_STEPS, Offer
 from .tenants import Keys
 
@@ -34,6 +35,9 @@ class Settings:
     max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing bundles: the longest video a job may ask for
     names: Names = field(default_factory=Names)  # the Host names requests may use (access.py); default: any
     limits: Limits = field(default_factory=Limits)  # timeouts and sizes (limits.py)
+    loras: tuple[Any, ...] = ()  # the LoRA adapters offered per request (--lora-dir: runtime.lora.Adapter each)
+    max_loras: int = MAX_LORAS  # the most adapters one request may name
+    lora_affinity_max: int = AFFINITY_MAX  # how many others a queued job may be passed over by for a LoRA set's sake
 
 
 @dataclass
@@ -56,6 +60,7 @@ class State:
     on_stall: Callable[[], Any] = lambda: os._exit(3)  # a stalled job: exit non-zero, the supervisor restarts us
     uploads: Slots = None  # type: ignore[assignment]  # create requests reading or checking a body at once
     decodes: threading.BoundedSemaphore = None  # type: ignore[assignment]  # requests decoding media at once
+    lora_key: str = "[]"  # the per-request LoRA set this replica's weights hold (loras.set_key; "[]": none)
 
     def __post_init__(self) -> None:
         self.uploads = Slots(self.settings.limits.max_uploads, "reading as many uploads as it takes at once")

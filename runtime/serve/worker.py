@@ -21,12 +21,17 @@ log = logging.getLogger("runtime")
 def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: Path | None,
             on_progress: Callable[[int], None] = lambda p: None,
             on_step_time: Callable[[float], None] = lambda s: None,
-            on_stage: Callable[[str], None] = lambda stage: None) -> None:
+            on_stage: Callable[[str], None] = lambda stage: None,
+            on_lora: Callable[[dict[str, Any] | None], None] = lambda switched: None) -> None:
     """Generate one job's video (every process of a multi-host job runs this; only process 0 writes).
-    `on_progress` follows the denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode")."""
+    `on_progress` follows the denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode"),
+    `on_lora` the job's LoRA set taken up (what the switch did, or None where the weights held it already)."""
     from ..magcache import MagCache
     from ..video import write_video
+    from .loras import specs
 
+    # the server's own --lora adapters, then the job's: switched to only where the weights hold another set
+    on_lora(pipe.use_loras([*pipe.base_loras, *specs(params.get("lora"))]))
     media = media_of(params, image_bytes)
     s = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"],
                       params.get("sampler"), params.get("sigmas"))
@@ -110,8 +115,8 @@ def worker(state: State) -> None:
     """Run queued jobs one at a time until draining; every failure is recorded on its job."""
     store = state.store
     while not state.draining.is_set():
-        try:
-            job = store.claim()
+        try:  # with adapters offered, preferring a job of the set the weights hold (jobs.py, loras.py)
+            job = store.claim(state.lora_key if state.settings.loras else None, state.settings.lora_affinity_max)
         except Exception as e:  # noqa: BLE001  (the database is away for a moment: try again, stay up)
             log.warning("cannot claim a job: %s: %s", type(e).__name__, e)
             job = None
@@ -134,6 +139,18 @@ def _run(state: State, job: Job) -> None:
     failed finds it no longer in progress and would read as a takeover."""
     store, m = state.store, state.metrics
     log.info("job %s: started (attempt %d)", job.id, job.attempts)
+
+    def lora_taken(switched: dict[str, Any] | None) -> None:
+        from .loras import set_key
+
+        state.lora_key = set_key(job.params.get("lora"))
+        if switched is not None:
+            log.info("job %s: LoRA set %s, switched to in %.3f s (%d tensors merged again)", job.id, switched["set"],
+                     switched["seconds"], switched["tensors"])
+            if m:
+                m.lora_switches.inc()
+                m.lora_switch_seconds.observe(switched["seconds"])
+
     t0 = time.perf_counter()
     failure: tuple[str, str] | None = None
     with Lease(lambda: store.heartbeat(job), store.lease, state.settings.stall, state.on_stall) as lease:
@@ -154,7 +171,7 @@ def _run(state: State, job: Job) -> None:
             with store.storage.writer(key, ".mp4") as video:
                 run_job(state.pipe, job.params, images, video, on_progress=progress,
                         on_step_time=m.step_seconds.observe if m else (lambda s: None),
-                        on_stage=lambda stage: lease.progress())
+                        on_stage=lambda stage: lease.progress(), on_lora=lora_taken)
         except UserError as e:
             failure = ("generation_failed", str(e))
             log.warning("job %s: failed: %s", job.id, e)

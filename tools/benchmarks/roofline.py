@@ -4,9 +4,11 @@
     python tools/bench.py roofline --model wan2.1-t2v-14b --resolution 720p --frames 81 --target tpu-v6e-8
 
 No TPU is needed, and nothing is timed (--repeats does not apply). For each case:
-  FLOPs per step (both CFG halves) counted analytically from the DiT config (matmuls and attention;
-    XLA's own count of the compiled per-device program is printed beside it: it counts a while
-    loop's body once, so it undercounts the blocked attention);
+  FLOPs per step (both CFG halves) counted analytically from the DiT config (matmuls and attention), and
+    beside them the TPU compiler's own count: the step's TPU programs (head, block, tail; the bundle
+    `tools/bench.py fit` builds, compiled by libtpu here, its memo shared) as cost analysis counts
+    them per device, which sees nothing inside the flash kernel, plus the attention FLOPs the kernel
+    does (counted from the config) and its HBM reads (q, k and v per query block, from the blocks);
   the denoise_step program exported for the CPU with the target's (dp, sp, tp) mesh, compiled by
     XLA's SPMD partitioner for as many fake CPU devices, and its optimized HLO read for every
     all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute (bytes moved per
@@ -21,18 +23,14 @@ the MFU a step time needs (the seeds measured 4.59 s/step for 14B 720p on v6e-8 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 from typing import Any
 
+from . import fit as fit_bench
 from .common import Report, Table, add_common, child_env, export, log, spawn
 
-# Per chip: peak bf16 FLOP/s, HBM bytes/s, bidirectional ICI bytes/s (Google Cloud TPU pages).
-CHIPS = {
-    "TPU v6 lite": {"name": "v6e", "flops": 918e12, "hbm": 1638e9, "ici": 800e9, "hbm_gb": 32},
-    "TPU v5 lite": {"name": "v5e", "flops": 197e12, "hbm": 819e9, "ici": 400e9, "hbm_gb": 16},
-    "TPU v4": {"name": "v4", "flops": 275e12, "hbm": 1200e9, "ici": None, "hbm_gb": 32},  # ICI not published
-}
 SEEDS = {"measured": 4.59, "claimed": 2.5}  # s/step, 14B 720p 81 frames on v6e-8
 CASES = [("wan2.1-t2v-14b", "720p", 81, "tpu-v6e-8"), ("wan2.1-t2v-14b", "720p", 81, "tpu-v6e-16"),
          ("wan2.1-t2v-1.3b", "480p", 81, "tpu-v6e-4")]
@@ -181,7 +179,11 @@ def analyse(model: str, resolution: str, frames: int, target_name: str, work: Pa
     total = sum(flops.values())
     summary = summarize(bundle, m)
     weights = summary["weights"]["transformer"]["bytes_per_device"]
-    chip = CHIPS[target.device_kind]
+    from runtime.targets import chip as chip_of
+
+    c = chip_of(target)  # peak bf16 FLOP/s, HBM and ICI bytes/s per chip (runtime/targets.py CHIPS)
+    chip = {"name": c.name, "flops": c.bf16_flops, "hbm": c.hbm_bytes_per_s, "ici": c.ici_bytes_per_s,
+            "hbm_gb": c.hbm_gib}
     # XLA CPU computes bf16 dots in f32 and moves their operands as f32; a bf16 program on TPU moves
     # those tensors (bf16 weights, bf16 hidden states) at half the bytes.
     traffic = compiled["collectives"]["total"] - compiled["collectives"]["f32"] / 2 if m.dtype == "bf16" \
@@ -193,13 +195,67 @@ def analyse(model: str, resolution: str, frames: int, target_name: str, work: Pa
         # a 1D ring per collective drives 2 of a chip's 4 ICI ports: half its bidirectional bandwidth
         "ici": traffic / (chip["ici"] / 2) if chip["ici"] else float("nan"),
     }
+    tpu = tpu_counts(work.parent, model, resolution, frames, target, cfg, g, flops)
+    tpu["compute_s"] = tpu["flops_total"] / n / chip["flops"]
+    tpu["hbm_s"] = tpu["bytes_per_device"] / chip["hbm"]
+    tpu["bound_s"] = max(tpu["compute_s"], tpu["hbm_s"], bounds["ici"] if bounds["ici"] == bounds["ici"] else 0.0)
     return {"model": model, "resolution": f"{g.width}x{g.height}", "frames": g.frames, "target": target_name,
+            "tpu": tpu,
             "mesh": format_mesh(target.mesh), "devices": n, "chip": chip["name"], "tokens": tokens,
             "flops": flops, "flops_total": total, "xla_flops_x_devices": compiled["xla_flops"] * n,
             "weight_bytes_per_device": weights, "activation_bytes_per_device": compiled["temp_bytes"],
             "xla_bytes_per_device": compiled["xla_bytes"], "collectives": compiled["collectives"],
             "bounds_s": bounds, "hbm_gb": chip["hbm_gb"], "ici_bytes_bf16": traffic,
             "mfu_for": {k: total / (n * chip["flops"] * v) for k, v in SEEDS.items()}}
+
+
+def tpu_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
+    """The CFG step's TPU programs (head, block, tail) compiled for the slice by libtpu: per-device FLOPs and bytes
+    accessed as cost analysis counts them; the fit memo in and out."""
+    from runtime import fit
+    from runtime import manifest as mf
+    from runtime.bundle import Bundle
+
+    memo_path = Path(a["memo"])
+    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    before = set(memo)
+    m = mf.read(Path(a["bundle"]))
+    mesh, topology = fit.compile_only_mesh(m.target)
+    parts = fit.compile_bundle(Bundle(path=Path(a["bundle"]), manifest=m, mesh=mesh), memo=memo, topology=topology,
+                               only={"denoise_step"})
+    return {"parts": {c.part or "head": {"flops": c.flops, "bytes": c.bytes_accessed} for c in parts},
+            "blocks": m.programs["denoise_step"].blocks.layers, "memo": {k: memo[k] for k in set(memo) - before},
+            "attention": m.attention.get("dit", {})}
+
+
+def tpu_counts(work: Path, model: str, resolution: str, frames: int, target: Any, cfg: dict[str, Any], g: Any,
+               flops: dict[str, float]) -> dict[str, Any]:
+    """One CFG step as the TPU compiler counts it, over all devices, plus what the flash kernel does."""
+    bundle = fit_bench.bundle_for(work, (model, resolution, frames, None), target.name)
+    memo_path = work / "fit" / "memo.json"
+    log(f"compiling the TPU step of {bundle.name}")
+    out = spawn("roofline:tpu_child", {"bundle": str(bundle), "memo": str(memo_path)})
+    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    memo.update(out.pop("memo"))
+    memo_path.write_text(json.dumps(memo))
+    n, parts, layers = target.num_devices, out["parts"], out["blocks"]
+    xla = (parts["head"]["flops"] + layers * parts["block"]["flops"] + parts["tail"]["flops"]) * n
+    xla_bytes = parts["head"]["bytes"] + layers * parts["block"]["bytes"] + parts["tail"]["bytes"]
+    # The kernel's HBM traffic per device and layer: q read and the output written once, k and v read once per
+    # query block (the kv axis is the inner loop), for this device's samples and heads (bf16).
+    _, ph, pw = cfg["patch_size"]
+    s = g.latent_frames * (g.latent_height // ph) * (g.latent_width // pw)
+    mesh = target.mesh
+    heads = cfg["num_attention_heads"] // mesh["tp"]
+    samples = 2 * g.batch // mesh["dp"]
+    block_q = out["attention"].get("block_q", 3328)
+    sq = -(-s // mesh["sp"])
+    d = cfg["attention_head_dim"]
+    per_head = 2 * sq * d * 2 + -(-sq // block_q) * 2 * (s + g.max_sequence_length) * d * 2 + 2 * sq * d * 2
+    kernel_bytes = cfg["num_layers"] * samples * heads * per_head
+    return {"xla_flops": xla, "kernel_flops": flops["attention"], "flops_total": xla + flops["attention"],
+            "xla_bytes_per_device": xla_bytes, "kernel_bytes_per_device": kernel_bytes,
+            "bytes_per_device": xla_bytes + kernel_bytes}
 
 
 def tables(results: list[dict[str, Any]]) -> list[Table]:
@@ -240,7 +296,25 @@ def tables(results: list[dict[str, Any]]) -> list[Table]:
     video.notes.append("A CFG-free step's bound keeps the CFG step's whole ICI traffic (an upper bound: the hidden "
                        "states' all-reduces halve with the batch). The VAE decode and the text encoder are the same "
                        "for both and not counted.")
-    return [bounds, colls, video]
+    compiler = Table("the step as the TPU compiler counts it, beside the hand count (one CFG step, PFLOP over all "
+                     "devices; bytes per device)",
+                     ["model, shape, target", "hand PFLOP", "XLA PFLOP (outside the kernel)", "+ kernel attention",
+                      "= compiler PFLOP", "compute s (hand)", "compute s (compiler)", "HBM GB: XLA + kernel",
+                      "HBM s", "bound s (compiler)"])
+    for r in results:
+        t = r["tpu"]
+        case = f"{r['model']}, {r['resolution']} x {r['frames']}, {r['target']}"
+        compiler.add(case, f"{r['flops_total'] / 1e15:.2f}", f"{t['xla_flops'] / 1e15:.2f}",
+                     f"{t['kernel_flops'] / 1e15:.2f}", f"{t['flops_total'] / 1e15:.2f}",
+                     f"{r['bounds_s']['compute']:.2f}", f"{t['compute_s']:.2f}",
+                     f"{t['xla_bytes_per_device'] / 1e9:.1f} + {t['kernel_bytes_per_device'] / 1e9:.1f}",
+                     f"{t['hbm_s']:.2f}", f"{t['bound_s']:.2f}")
+    compiler.notes.append("XLA PFLOP: cost analysis of the step's TPU programs (head + blocks x block + tail), per "
+                          "device, times the devices; it counts nothing inside a custom call, so the flash kernel's "
+                          "attention (self and cross, 4 s d (s + L) per layer and sample) is added from the config. "
+                          "HBM: XLA's bytes accessed plus the kernel's reads and writes (q and the output once, k and "
+                          "v once per query block); the bound is the largest of compute, HBM and the ICI bound above.")
+    return [bounds, compiler, colls, video]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -87,8 +87,59 @@ function showModel(card) {
   $("image").required = card.image === "required";
   $("last-image-field").hidden = !card.last_image;
   $("last-image").required = card.image === "required" && card.last_image; // diffusion forcing: optional
+  $("loras").replaceChildren();
+  $("lora-field").hidden = !(card.loras && card.loras.length);
+  updateAddLora();
   $("key-form").hidden = true;
   $("generate").hidden = false;
+}
+
+// LoRA adapters: one row per adapter of the request (at most the server's max_loras), each a name, a scale and, on
+// two-expert bundles, the expert it is applied to.
+function loraRow() {
+  const li = document.createElement("li");
+  const name = document.createElement("select");
+  name.className = "lora-name";
+  name.setAttribute("aria-label", "LoRA");
+  for (const a of model.loras) name.append(option(a.name, `${a.name} (rank ${a.rank}, ${a.experts.join(" + ")})`));
+  const scale = document.createElement("input");
+  scale.className = "lora-scale";
+  scale.type = "number";
+  scale.min = "-4";
+  scale.max = "4";
+  scale.step = "0.05";
+  scale.value = "1";
+  scale.setAttribute("aria-label", "LoRA scale");
+  li.append(name, scale);
+  if (model.experts > 1) {
+    const expert = document.createElement("select");
+    expert.className = "lora-expert";
+    expert.setAttribute("aria-label", "LoRA expert");
+    expert.append(option("", "its experts"), option("high", "high noise"), option("low", "low noise"));
+    li.append(expert);
+  }
+  const remove = document.createElement("button");
+  remove.type = "button";
+  remove.textContent = "Remove";
+  remove.addEventListener("click", () => {
+    li.remove();
+    updateAddLora();
+  });
+  li.append(remove);
+  return li;
+}
+
+function updateAddLora() {
+  $("add-lora").hidden = !model || !model.loras || $("loras").children.length >= model.max_loras;
+}
+
+function chosenLoras() {
+  return [...$("loras").children].map((li) => {
+    const entry = { name: li.querySelector(".lora-name").value, scale: Number(li.querySelector(".lora-scale").value) };
+    const expert = li.querySelector(".lora-expert");
+    if (expert && expert.value) entry.expert = expert.value;
+    return entry;
+  });
 }
 
 async function start() {
@@ -136,6 +187,8 @@ async function generate(event) {
     if ($(id).value !== "") fields[name] = Number($(id).value);
   }
   if ($("sampler").value !== model.defaults.sampler) fields.sampler = $("sampler").value;
+  const loras = chosenLoras();
+  if (loras.length) fields.lora = loras;
   const sigmas = $("sigmas").value.replace(/\s+/g, "");
   if (sigmas !== "") {
     fields.sigmas = sigmas;
@@ -154,7 +207,9 @@ async function generate(event) {
   let options;
   if (withFiles || sigmas !== "") {
     const form = new FormData();
-    for (const [name, value] of Object.entries(fields)) form.append(name, String(value));
+    for (const [name, value] of Object.entries(fields)) {
+      form.append(name, name === "lora" ? JSON.stringify(value) : String(value)); // lora: its JSON, as one field
+    }
     for (const [name, input] of files) if (input.files.length) form.append(name, input.files[0]);
     options = { method: "POST", body: form };
   } else {
@@ -257,6 +312,11 @@ function stopPolling() {
 document.addEventListener("DOMContentLoaded", () => {
   $("generate").addEventListener("submit", generate);
   $("size").addEventListener("change", fillDurations);
+  $("add-lora").addEventListener("click", () => {
+    $("loras").append(loraRow());
+    updateAddLora();
+    $("loras").lastElementChild.querySelector("select").focus();
+  });
   $("mode").addEventListener("change", () => {
     $("replace-fields").hidden = $("mode").value !== "replace";
     $("background-video").required = $("mask-video").required = $("mode").value === "replace";

@@ -1,0 +1,127 @@
+"""`runtime fit` on the real architectures: each bundle built from its name (--no-weights) for TPU slices, every
+program compiled by XLA's TPU compiler on this machine, and its per-device peak against the chips' HBM.
+
+    python tools/bench.py fit                      # the cases below, on tpu-v5e-8 and tpu-v6e-8 (+ v6e-16 for the A14B)
+    python tools/bench.py fit --case wan2.1-t2v-14b:720p:81 --target tpu-v6e-8
+
+No TPU is needed and nothing runs (--repeats does not apply). Each fit runs in a fresh process, one at a time. The
+programs several bundles share byte for byte (UMT5-XXL's, the VAE decoder's at one size) compile once per slice:
+their figures are kept in --work/fit/memo.json by the file's sha256, the topology and libtpu's version, so a second
+run compiles only what changed. Compile time is reported in CPU seconds (the process's, summed over its programs):
+wall seconds depend on what else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from .common import Report, Table, add_common, export, log, spawn
+
+# (architecture, resolution, frames, quantize), targets
+CASES: list[tuple[tuple[str, str, int, str | None], tuple[str, ...]]] = [
+    (("wan2.1-t2v-1.3b", "480p", 81, None), ("tpu-v5e-8", "tpu-v6e-8")),
+    (("wan2.1-t2v-14b", "720p", 81, None), ("tpu-v5e-8", "tpu-v6e-8")),
+    (("wan2.1-t2v-14b", "720p", 81, "int8"), ("tpu-v5e-8", "tpu-v6e-8")),
+    (("wan2.2-t2v-a14b", "720p", 81, None), ("tpu-v5e-8", "tpu-v6e-8", "tpu-v6e-16")),
+    (("wan2.2-t2v-a14b", "720p", 81, "int8"), ("tpu-v5e-8", "tpu-v6e-8", "tpu-v6e-16")),
+    (("wan2.2-ti2v-5b", "720p", 121, None), ("tpu-v5e-8", "tpu-v6e-8")),
+    (("wan2.1-vace-14b", "720p", 81, None), ("tpu-v5e-8", "tpu-v6e-8")),
+    (("wan2.2-animate-14b", "720p", 77, None), ("tpu-v5e-8", "tpu-v6e-8")),
+]
+GIB = 1 << 30
+
+
+def fit_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
+    """One `runtime fit` in this fresh process; the memo's entries in and out."""
+    from runtime import fit
+
+    memo = json.loads(Path(a["memo"]).read_text()) if Path(a["memo"]).is_file() else {}
+    before = set(memo)
+    try:
+        report = fit.fit(Path(a["bundle"]), memo=memo,
+                         on_compiled=lambda c: log(f"  {c.key}: {c.compile_cpu_s:.0f} CPU s"))
+        out = report.to_json()
+        out["fits"] = report.fits
+    except fit.DoesNotFit as e:
+        out = {"refused": str(e)}
+    out["memo"] = {k: v for k, v in memo.items() if k not in before}
+    out["compiled_here"] = len(out["memo"])
+    return out
+
+
+def bundle_for(work: Path, case: tuple[str, str, int, str | None], target: str) -> Path:
+    arch, res, frames, quantize = case
+    out = work / "fit" / f"{arch}-{res}-f{frames}-{quantize or 'bf16'}-{target}"
+    if not (out / "manifest.json").is_file():
+        log(f"exporting {out.name}")
+        export(["--model", arch, "--no-weights", "--resolution", res, "--frames", str(frames), "--target", target,
+                *(["--quantize", quantize] if quantize else [])], out)
+    return out
+
+
+def measure(work: Path, case: tuple[str, str, int, str | None], target: str) -> dict[str, Any]:
+    memo_path = work / "fit" / "memo.json"
+    bundle = bundle_for(work, case, target)
+    log(f"fitting {bundle.name}")
+    result = spawn("fit:fit_child", {"bundle": str(bundle), "memo": str(memo_path)})
+    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    memo.update(result.pop("memo"))
+    tmp = memo_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(memo))
+    tmp.replace(memo_path)
+    return {"case": list(case), "target": target, **result}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def tables(results: list[dict[str, Any]]) -> list[Table]:
+    t = Table("does it fit? every program compiled for the slice by XLA's TPU compiler (per device, GiB)",
+              ["model, shape", "weights", "target (slice)", "programs", "compile CPU s", "weights", "peak (serve)",
+               "where", "peak (generate)", "HBM", "fits"])
+    big = Table("the largest working sets (per device, GiB): a DiT block (CFG batch) and the VAE decoder's next chunk",
+                ["model, shape", "target", "DiT block temp", "DiT block args", "VAE decode temp", "VAE decode args",
+                 "Mosaic in the block"])
+    for r in results:
+        arch, res, frames, quantize = r["case"]
+        name = f"{arch}, {res} x {frames}"
+        if "refused" in r:
+            t.add(name, quantize or "bf16", r["target"], "-", "-", "-", "-", r["refused"], "-", "-", "no")
+            continue
+        progs = r["programs"]
+        peak, gen = r["peaks"]["serve"], r["peaks"]["generate"]
+        t.add(name, quantize or "bf16", f"{r['target']} ({r['topology']})", len(progs),
+              f"{sum(p['compile_cpu_s'] for p in progs.values()):.0f}", _gib(sum(peak["weights"].values())),
+              _gib(peak["bytes"]), f"{peak['program']} ({peak['stage']})", _gib(gen["bytes"]), _gib(r["hbm_bytes"]),
+              "yes" if r["fits"] else "**no**")
+        block = progs.get("denoise_block_1", {})
+        vae = progs.get("vae_decode_next", {})
+        big.add(name + (f", {quantize}" if quantize else ""), r["target"], _gib(block.get("temp_bytes", 0)),
+                _gib(block.get("argument_bytes", 0)), _gib(vae.get("temp_bytes", 0)),
+                _gib(vae.get("argument_bytes", 0)), "yes" if block.get("kernel") else "no")
+    t.notes.append("Peak (serve): every stage resident, as `runtime serve` and the Python API hold a bundle; "
+                   "peak (generate): one `runtime generate`, which drops each stage's weights once it is past it. "
+                   "Weights from the manifest's shapes and shardings; everything else (arguments, temporaries, "
+                   "outputs, code) from `compiled.memory_analysis()`. Compile CPU s: the programs this bundle "
+                   "needed, including those compiled once for an earlier bundle of the run (the memo).")
+    return [t, big]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p, repeats=1, devices=("cpu",))
+    p.add_argument("--case", help="ARCH:RESOLUTION:FRAMES[:QUANTIZE] (default: the standard cases)")
+    p.add_argument("--target", nargs="+", help="targets for --case (default tpu-v5e-8 tpu-v6e-8)")
+
+
+def run(a: argparse.Namespace) -> Report:
+    if a.case:
+        arch, res, frames, *q = a.case.split(":")
+        cases = [((arch, res, int(frames), q[0] if q else None), tuple(a.target or ("tpu-v5e-8", "tpu-v6e-8")))]
+    else:
+        cases = CASES
+    results = [measure(a.work, case, target) for case, targets in cases for target in targets]
+    return Report(tables(results), results)
