@@ -350,3 +350,15 @@ def test_the_engine_imports_no_loop() -> None:
             todo += imports(m)
     assert not seen & {"animate", "forcing", "front"}, sorted(seen)
     assert {"animate", "forcing", "pipeline"} <= imports("front")
+
+
+def test_extend_is_the_extensions_hook(df) -> None:
+    """`forcing.extend(pipe, prompt, video, seconds=)` (what POST /v1/videos/extensions calls): seconds of new video at
+    the bundle's 24 fps after the overlap: 5 + 0.5 x 24 = 17 frames, one segment here; the source comes first."""
+    source = [test_image(64, 32, seed=20 + i) for i in range(12)]
+    assert forcing.frames_for(5 / 24 + 0.5, 24) == 17 and forcing.frames_for(1.5, 24) == 37
+    out = forcing.extend(df, PROMPT, source, seconds=0.5, overlap_history=5, steps=2, progress=False)
+    assert out.shape == (1, 12 + 17, 32, 64, 3)
+    np.testing.assert_allclose(out[0, :12], np.stack([np.asarray(f, np.float32) / 255 for f in source]), atol=1e-6)
+    with pytest.raises(forcing.InputError, match="seconds or num_frames"):
+        forcing.extend(df, PROMPT, source)
