@@ -346,6 +346,18 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--stall", type=float, default=600.0, metavar="SECONDS",
                    help="a job with no denoising step or stage finished for this long stops being heartbeated and "
                         "the server exits with status 3 for its supervisor to restart it (default 600)")
+    wh = s.add_argument_group("webhooks (see runtime/serve/README.md, \"Webhooks\")")
+    wh.add_argument("--webhook-url", metavar="URL", default=None,
+                    help="the server's own webhook endpoint: every tenant's video.completed and video.failed events "
+                         "are POSTed to it, signed with --webhook-secret (Standard Webhooks)")
+    wh.add_argument("--webhook-secret", metavar="whsec_...", default=os.environ.get("WAN_AOT_WEBHOOK_SECRET"),
+                    help="the secret --webhook-url's deliveries are signed with (default: $WAN_AOT_WEBHOOK_SECRET)")
+    wh.add_argument("--webhook-allow", metavar="HOST[,HOST]", action="append", default=[],
+                    help="hosts, addresses or networks (CIDR) webhooks may reach although private, loopback or "
+                         "link-local (refused otherwise; repeatable)")
+    wh.add_argument("--webhook-retry-for", type=float, default=86400.0, metavar="SECONDS",
+                    help="how long after an event its delivery is retried (on backoff: 1, 2, 4 s ... at most an hour "
+                         "apart) before it is given up (default 86400)")
     _magcache_args(s)  # the server's default for every job
     _lora_args(s)
     lo = s.add_argument_group("LoRA adapters per request (see runtime/serve/README.md, \"LoRA adapters\")")
@@ -617,6 +629,10 @@ def serve(args: argparse.Namespace) -> int:
         offered = scan(args.lora_dir, mf.read(args.bundle))
     # a bad key or file: one line, before anything starts
     keys = Keys.load(args.api_keys, args.api_key or None, frozenset(offered) if args.lora_dir is not None else None)
+    from .serve.webhooks import Config as WebhookConfig
+
+    webhooks = WebhookConfig.of(args.webhook_url, args.webhook_secret if args.webhook_url else None,
+                                args.webhook_allow, args.webhook_retry_for)
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -638,7 +654,7 @@ def serve(args: argparse.Namespace) -> int:
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
                         max_steps=args.max_steps, max_seconds=args.max_seconds,
-                        names=server_names(args.host, args.allowed_host), limits=limits,
+                        names=server_names(args.host, args.allowed_host), limits=limits, webhooks=webhooks,
                         loras=tuple(offered.values()), max_loras=args.max_loras,
                         lora_affinity_max=args.lora_affinity_max)
     loras = loras_from_args(args)

@@ -177,10 +177,12 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              guidance_2: float | None = None, sampler: str | None = None, sigmas: Sequence[float] | None = None,
              latents: Any = None, progress: bool = True, magcache: Any = None, size: Any = None,
              frames: int | None = None, low_memory: bool = False,
-             on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
+             on_step: Callable[[int, int], None] | None = None,
+             on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """frames (B, n, H, W, 3) float32 in [0, 1], n the pose video's frame count (see the module docstring).
     `size` and `frames` pick the bundle shape (the segment); `on_step(done, total)` follows every step of every
-    segment. The rest as Pipeline.generate."""
+    segment, `on_preview` each step's estimate of the segment's middle frame (Pipeline.denoise). The rest as
+    Pipeline.generate."""
     if image is None:
         raise UserError("Wan-Animate needs the character's image (image=..., --image)")
     inputs = load_inputs(pose_video, face_video, mode, background_video, mask_video)
@@ -252,7 +254,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
             denoised = pipe.denoise({**embeds, "condition": condition, "pose": np.repeat(pose_latents, b, axis=0),
                                      "motion": motions}, s.seed, s.steps, s.guidance, s.flow_shift, x0,
                                     progress=False, on_step=step_done, guidance_2=guidance_2, magcache=magcache,
-                                    size=g.size, frames=g.frames, sampler=s.sampler, sigmas=s.sigmas)
+                                    size=g.size, frames=g.frames, sampler=s.sampler, sigmas=s.sigmas,
+                                    on_preview=on_preview)
             frames_ = pipe.decode(denoised)  # (B, L, H, W, 3)
             carried = frames_[:, -seg.prev:]
             out.append(frames_ if i == 0 else frames_[:, seg.prev:])

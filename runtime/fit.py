@@ -9,7 +9,7 @@ and `memory_analysis()` gives each program's per-device argument, temporary, out
 
 The peak is what the runtime holds at once, as it loads and unloads stages (`MODES`): the weight groups resident
 then, the arrays a stage keeps between its programs (the denoising state and conditioning, every expert's
-cross-attention keys and values, the decoded frames so far), the compiled programs, and the working set of the
+cross-attention keys and values, the decoder's previous chunk), the compiled programs, and the working set of the
 program running (its other inputs, its outputs and temporaries). Weight bytes come from the manifest's shapes and
 shardings; everything else from the compiler. The compiler's cost analysis counts nothing inside a custom call, so
 its FLOPs leave out the flash kernel's attention.
@@ -377,7 +377,7 @@ def plan(m: mf.Manifest, compiled: list[Compiled], mode: str) -> list[Moment]:
                 c = files[(name, part)]
                 kept = {n for n, _ in c.inputs if n in loop or n in HELD}
                 moments.append(moment("denoise", c, {**loop, **every_kv}, kept, residual))
-    for size in dict.fromkeys(g.size for g in m.shapes):  # the decoder: chunk after chunk, their frames kept
+    for size in dict.fromkeys(g.size for g in m.shapes):  # the decoder: chunk after chunk
         g = max((x for x in m.shapes if x.size == size), key=lambda x: x.latent_frames)
         first = files.get((m.program_for("vae_decode_first", g), ""))
         if first is None:
@@ -386,8 +386,8 @@ def plan(m: mf.Manifest, compiled: list[Compiled], mode: str) -> list[Moment]:
         nxt = m.program_for("vae_decode_next", g)
         if (nxt, "") in files and g.latent_frames > 1:
             c = files[(nxt, "")]
-            frames = first.outputs[0] + (g.latent_frames - 2) * c.outputs[0]  # every chunk before the last
-            moments.append(moment("decode", c, {"decoded frames": frames}))
+            # the chunk before, copied to the host while this one runs (Pipeline.decode)
+            moments.append(moment("decode", c, {"decoded frames": max(first.outputs[0], c.outputs[0])}))
     return moments
 
 

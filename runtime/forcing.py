@@ -40,7 +40,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import images, scheduler, video_input
+from . import images, previews, scheduler, video_input
 from . import manifest as mf
 from .distributed import fetch, is_primary, put
 from .errors import UserError
@@ -291,7 +291,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              guidance: float | None = None, guidance_2: float | None = None, flow_shift: float | None = None,
              sampler: str | None = None, sigmas: Sequence[float] | None = None, latents: Any = None,
              progress: bool = True, magcache: Any = None, low_memory: bool = False, size: Any = None,
-             frames: int | None = None, on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
+             frames: int | None = None, on_step: Callable[[int, int], None] | None = None,
+             on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """frames (B, F, H, W, 3) float32 in [0, 1]: `num_frames` frames (4k + 1; default: the segment's) from the prompt,
     the prompt and `image` (+ `last_image`), or after the source `video` (then F = the source's frames + num_frames,
     the first num_frames counting the re-decoded overlap, as diffusers returns it). `size` and `frames` pick the
@@ -300,7 +301,9 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     17 where the video needs segments), `ar_step` and `causal_block_size` (the asynchronous mode),
     `addnoise_condition` (re-noise pinned frames to that timestep) and `fps` (the frame rate the DiT is told,
     default the bundle's) as diffusers'. `latents`: one initial noise per segment (B, z, frames, h, w), or the
-    first segment's. `on_step(done, total)` follows every row of every segment. The rest as Pipeline.generate."""
+    first segment's. `on_step(done, total)` follows every row of every segment (it may raise to stop the run: a
+    server's cancel), `on_preview(rgb)` gets each row's estimate of the segment's middle frame (Pipeline.denoise).
+    The rest as Pipeline.generate."""
     if magcache is not None:
         raise UserError("MagCache is not for diffusion forcing: its per-frame timesteps give MagCache's per-step "
                         "schedule nothing to go by; leave magcache out")
@@ -362,7 +365,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
                 if on_step is not None:
                     on_step(done + j + 1, total)
 
-            out = denoise_segment(run, i, seg, shape, name, x0, step_done)
+            out = denoise_segment(run, i, seg, shape, name, x0, step_done, on_preview)
             out = out[:, :, : seg.frames]  # the last image's frame goes
             acc = out if acc is None else np.concatenate([acc, out[:, :, p.overlap:]], axis=2)
             done += rows[i]
@@ -409,9 +412,11 @@ def _pinned(pipe: Pipeline, g: mf.Geometry, pil: list[Any], source: list[Any] | 
 
 
 def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program: str, x0: np.ndarray,
-                    on_row: Callable[[int], None] | None = None) -> np.ndarray:
+                    on_row: Callable[[int], None] | None = None,
+                    on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """One segment's rows on the bundle shape `g`: float32 latents (B, z, dit_frames, h, w) from `x0` (its initial
-    noise with the pinned frames in place)."""
+    noise with the pinned frames in place). `on_row(r)` after each row, `on_preview(rgb)` before it with the row's
+    estimate of the segment's middle frame (runtime/previews.py: the per-frame states keep the scheduler's layout)."""
     pipe = run.pipe
     steps = len(run.plan.timesteps)
     index_m, update_m = timestep_matrix(seg.dit_frames, steps, run.ar_step, seg.prefix, run.block)
@@ -430,6 +435,7 @@ def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program:
     if run.addnoise > 0 and seg.prefix:
         blend[: seg.prefix] = np.float32(0.001 * run.addnoise)
     zeros = put(np.zeros(x0.shape, np.float32), placed["noise"])
+    preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
     for r in range(len(index_m)):
         t = template[index_m[r]]
         if blend.any():  # as diffusers: the pinned frames fed at t = addnoise_condition, re-noised
@@ -445,6 +451,8 @@ def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program:
             raise UserError(f"non-finite values (NaN/inf) appeared in the latents at row {r + 1} of "
                             f"{len(index_m)} of segment {index + 1}: check the weights, guidance ({run.guidance}) "
                             "and dtype")
+        if preview is not None:
+            on_preview(preview(state_dev))  # type: ignore[misc]
         if on_row is not None:
             on_row(r)
     return fetch(state_dev)[0].astype(np.float32)

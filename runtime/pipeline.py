@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import adapters, conditioning, host_memory, images, kinds, samplers, scheduler, signatures, video_input
+from . import adapters, conditioning, host_memory, images, kinds, previews, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -427,7 +427,7 @@ class Pipeline:
                 magcache: MagCache | None = None, size: Size = None, frames: int | None = None,
                 sampler: str | None = None, sigmas: Sequence[float] | None = None,
                 conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
-                noise: np.ndarray | None = None) -> np.ndarray:
+                noise: np.ndarray | None = None, on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Run the denoising loop; returns float32 latents (B, z, T, H/s, W/s), what the VAE decodes.
 
         The shape is that of `latents` if given; else `size` x `frames`; else, with image conditioning in `embeds`,
@@ -438,7 +438,10 @@ class Pipeline:
         `guidance_2`, default `guidance`) below the boundary timestep, as diffusers does. Steps whose
         guidance is <= 1 run the DiT on the prompt alone. `magcache` skips the transformer blocks on the
         steps its schedule says (runtime/magcache.py). `sampler` and `sigmas`: see `settings`.
-        `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it).
+        `on_step(i)` is called when step i (0-based) is done and checked finite (e.g. to time it). `on_preview(rgb)`
+        gets, before it, the step's estimate of the video's middle frame: uint8 (h, w, 3) at the latents' resolution,
+        from the denoised estimate the scheduler holds, through a fixed linear map (runtime/previews.py; bundles whose
+        latents have no such map get none).
 
         VACE: `conditioning_scale` (default 1), a number or one per VACE layer, scales the VACE blocks' hints.
         Video-to-video (embeds with `video_latents`): `strength` in (0, 1] (default 0.8, diffusers') picks the step
@@ -448,7 +451,8 @@ class Pipeline:
         """
         return self._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, on_step, guidance_2,
                              magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
-                             conditioning_scale=conditioning_scale, strength=strength, noise=noise)
+                             conditioning_scale=conditioning_scale, strength=strength, noise=noise,
+                             on_preview=on_preview)
 
     def calibrate(self, embeds: dict[str, np.ndarray], seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, flow_shift: float | None = None, latents: np.ndarray | None = None,
@@ -472,7 +476,7 @@ class Pipeline:
                  calibration: list[float] | None = None, size: Size = None, frames: int | None = None,
                  stop_after: int | None = None, sampler: str | None = None,
                  sigmas: Sequence[float] | None = None, conditioning_scale: Any = None, strength: float | None = None,
-                 noise: np.ndarray | None = None) -> np.ndarray:
+                 noise: np.ndarray | None = None, on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         if magcache is not None and not isinstance(magcache, MagCache):
             raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
@@ -518,6 +522,7 @@ class Pipeline:
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         residual = norms = None
         expert_before = -1
+        preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
         for i in tqdm(range(run), desc="denoising", unit="step", disable=not progress or not is_primary()):
             name = programs[i]
             variant = kinds.denoise_variant(name)
@@ -542,6 +547,8 @@ class Pipeline:
                 now = fetch(jnp.linalg.norm(residual[: g.batch].astype(jnp.float32), axis=-1))
                 calibration.append(magcache_rule.calibration_ratio(now, norms if e == expert_before else None))
                 norms, expert_before = now, e
+            if preview is not None:
+                on_preview(preview(state_dev))  # type: ignore[misc]
             if on_step is not None:
                 on_step(i)
             if stop_after is not None and i + 1 == stop_after:
@@ -551,7 +558,7 @@ class Pipeline:
 
     def start_step(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None) -> int:
         """The first of the schedule's steps a run takes: 0, or for video-to-video (embeds with `video_latents`) the
-        one `strength` picks (samplers.start_step); UserError for a bad strength or one that leaves no step."""
+        one `strength` picks (samplers.start_step: at least the last step runs); UserError for a bad strength."""
         if "video_latents" not in embeds:
             if strength is not None:
                 raise UserError("strength is for video-to-video: a source video given to a bundle exported with "
@@ -560,10 +567,7 @@ class Pipeline:
         strength = 0.8 if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
             raise UserError(f"strength must be a number in (0, 1], got {strength!r}")
-        start = samplers.start_step(s.steps, strength)
-        if start >= s.steps:
-            raise UserError(f"strength {strength:g} of {s.steps} steps runs no step: raise the strength or the steps")
-        return start
+        return samplers.start_step(s.steps, strength)
 
     def steps_run(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None = None) -> int:
         """The denoising steps a run of `s` takes: the schedule's from start_step on (video-to-video runs only the
@@ -640,14 +644,18 @@ class Pipeline:
         g = self.decode_shape(latents.shape)
         host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
         first = self.bundle.call(self._at("vae_decode_first", g))
-        frames, caches = first(latents[:, :, 0:1])
-        chunks = [frames]
+        pending, caches = first(latents[:, :, 0:1])
+        chunks = []
         if latents.shape[2] > 1:
             nxt = self.bundle.call(self._at("vae_decode_next", g))
             for t in range(1, latents.shape[2]):
-                frames, caches = nxt(latents[:, :, t:t + 1], *caches)
-                chunks.append(frames)
-        return np.concatenate([fetch(c).astype(np.float32) for c in chunks], axis=1)
+                frames, caches = nxt(latents[:, :, t:t + 1], *caches)  # dispatched: runs while the last is copied
+                # Each chunk comes to the host as the next one runs, so the devices never hold more than two chunks'
+                # frames (they come back whole on every device: the 720p x 81 video is 0.9 GB each).
+                chunks.append(fetch(pending).astype(np.float32))
+                pending = frames
+        chunks.append(fetch(pending).astype(np.float32))
+        return np.concatenate(chunks, axis=1)
 
     def decode_shape(self, shape: tuple[int, ...]) -> mf.Geometry:
         """The bundle shape whose VAE decoder decodes video latents of `shape` (B, z, T, h, w): the one they are the
@@ -723,6 +731,7 @@ class Pipeline:
                  conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
                  noise: np.ndarray | None = None,
                  on_step: Callable[[int, int], None] | None = None,
+                 on_preview: Callable[[np.ndarray], None] | None = None,
                  loras: Sequence[adapters.LoraSpec] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
@@ -734,7 +743,8 @@ class Pipeline:
         images), a list of PIL images or an (F, H, W, 3) array (runtime/video_input.py).
         `low_memory`: drop each stage's weights once the run is past it (`unload_before`), as a process making one
         video can: the encoders' before the first step, the DiT's before the VAE decode; the next call loads them
-        again. `on_step(done, total)` follows the denoising steps.
+        again. `on_step(done, total)` follows the denoising steps; `on_preview(rgb)` gets each step's estimate of the
+        video's middle frame (see `denoise`).
 
         One bundle shape, one segment: what runtime/front.py's `generate` runs for the kinds without a loop of their
         own (kinds.Kind.loop).
@@ -768,7 +778,7 @@ class Pipeline:
             out = self.denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, guidance_2=guidance_2,
                                magcache=magcache, size=size, frames=frames, sampler=sampler, sigmas=sigmas,
                                conditioning_scale=conditioning_scale, strength=strength, noise=noise,
-                               on_step=step_done)
+                               on_step=step_done, on_preview=on_preview)
             if low_memory:
                 self.unload_before("decode")
             return self.decode(out)

@@ -87,8 +87,9 @@ def plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: Si
 
 def start_step(steps: int, strength: float) -> int:
     """The first of `steps` steps a video-to-video run at `strength` takes (diffusers' get_timesteps):
-    steps - min(int(steps x strength), steps)."""
-    return steps - min(int(steps * strength), steps)
+    steps - min(int(steps x strength), steps), but at least the last step runs: where int(steps x strength) is 0,
+    diffusers' pipeline is left with no timestep and fails, so every strength in (0, 1] and step count is a run."""
+    return steps - max(1, min(int(steps * strength), steps))
 
 
 @functools.lru_cache(maxsize=32)

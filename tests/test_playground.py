@@ -102,16 +102,22 @@ def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_p
     job = page.locator("#jobs li").first
     sync_api.expect(job).to_be_visible(timeout=10_000)
     assert job.locator(".job-prompt").inner_text() == HOSTILE  # the text itself: no element made of it
-    assert page.locator("#jobs img, #jobs b").count() == 0 and page.title() != "pwned"
+    assert page.locator("#jobs img:not(.preview), #jobs b").count() == 0 and page.title() != "pwned"
 
-    seen = set()
+    seen, previews = set(), set()
     deadline = time.time() + 180
     while time.time() < deadline and not job.locator("video").count():
-        bar = job.locator("progress")
+        bar, preview = job.locator("progress"), job.locator("img.preview")
         if bar.count() and bar.is_visible():
             seen.add(int(bar.get_attribute("value") or 0))
+        if preview.count() and preview.is_visible():  # the live preview: a WebP at the video's size, as it changes
+            size = preview.evaluate("i => i.naturalWidth ? i.naturalWidth + 'x' + i.naturalHeight : ''")
+            if size:
+                previews.add((size, preview.get_attribute("src")))
         time.sleep(0.1)
     assert any(0 < v < 100 for v in seen), seen  # the bar moved with the steps
+    assert {size for size, _ in previews} == {"32x64"} and len({src for _, src in previews}) >= 2, previews
+    assert job.locator("img.preview").count() == 0  # the video took its place
     video = job.locator("video")
     page.wait_for_function("v => v.readyState >= 1 && v.duration > 0", arg=video.element_handle(), timeout=60_000)
     duration = video.evaluate("v => v.duration")

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from . import pg_bin
@@ -127,8 +128,15 @@ def _rows(queue: str) -> dict[str, tuple]:
 
 def test_two_replicas_serve_one_queue(fp32_bundles, queue_url: str, tmp_path: Path) -> None:
     """Started at once on an empty database; a job created on one is retrieved, listed, downloaded and deleted
-    on the other; 429 comes from the shared queue depth, which both report in /metrics."""
+    on the other; 429 comes from the shared queue depth, which both report in /metrics. Then cancels, each sent to
+    the replica that is not running the job: a running job stops within one step, its replica takes the next job,
+    and it is never taken over when its lease would have run out; a queued job cancelled never runs; a running job
+    deleted stops too."""
     import httpx
+
+    from runtime.serve.jobs import open_store
+
+    from .test_serve import _log_until, _running, _stopped_after
 
     bundle, jobs = fp32_bundles["tiny-64x32-f9"], tmp_path / "shared-jobs"
     a = _replica(bundle, jobs, queue_url, "--queue-size", "1")
@@ -147,12 +155,15 @@ def test_two_replicas_serve_one_queue(fp32_bundles, queue_url: str, tmp_path: Pa
         with pytest.raises(openai.NotFoundError):
             ca.videos.retrieve(made.id)
         assert not list(jobs.glob(f"videos/{made.id}*"))
-        # two slow jobs run (one per replica), a third waits: the shared depth is 1, so a fourth is refused
+        # two slow jobs run (one per replica), a third waits: the shared depth is 1, so a fourth is refused. Each is
+        # created once the one before has been claimed (a replica claims within a second, not at once: created at
+        # once, the second found the first still waiting, and the depth full).
         slow = {"num_inference_steps": 1000}  # the replicas are killed at the end
-        running = [ca.videos.create(prompt=f"slow {i}", extra_body=slow) for i in range(2)]
-        for video in running:
-            _wait(ca, video.id, "in_progress")
-        cb.videos.create(prompt="waits", extra_body=slow)
+        running = []
+        for i in range(2):
+            running.append(ca.videos.create(prompt=f"slow {i}", extra_body=slow))
+            _running(ca, running[-1].id)
+        waiting = cb.videos.create(prompt="waits", extra_body=slow)
         for client in (ca, cb):
             with pytest.raises(openai.RateLimitError) as e:
                 client.videos.create(prompt="refused", extra_body=slow)
@@ -162,6 +173,39 @@ def test_two_replicas_serve_one_queue(fp32_bundles, queue_url: str, tmp_path: Pa
             assert "wan_aot_queue_depth 1.0" in metrics and 'wan_aot_jobs{status="in_progress"} 2.0' in metrics
         owners = {_owner_pid(queue_url, v.id)[1] for v in running}
         assert owners == {a.proc.pid, b.proc.pid}  # one job each
+
+        # cancel the first through the replica not running it: it stops, and its replica takes the waiting job
+        first = running[0]
+        _, runs_first, other = _running_and_other([a, b], queue_url, first.id)
+        at_cancel = other.client(key="unused").post(f"/videos/{first.id}/cancel", cast_to=openai.types.Video)
+        assert (at_cancel.status, at_cancel.error.code) == ("failed", "cancelled")
+        log = _log_until(runs_first, f"job {first.id}: cancelled by a client")
+        assert _stopped_after(log, first.id) <= 10 * at_cancel.progress + 10  # the step in flight, and no other
+        _running(ca, waiting.id)
+        assert _owner_pid(queue_url, waiting.id)[1] == runs_first.proc.pid  # the next job, on the freed replica
+        # a queued job cancelled never runs: the second is deleted through the replica not running it, which frees
+        # the other replica; the cancelled one stays unclaimed
+        queued = ca.videos.create(prompt="cancelled while it waits", extra_body=slow)
+        cb.post(f"/videos/{queued.id}/cancel", cast_to=openai.types.Video)
+        second = running[1]
+        _, runs_second, other = _running_and_other([a, b], queue_url, second.id)
+        assert other.client(key="unused").videos.delete(second.id).deleted
+        _log_until(runs_second, f"job {second.id}: cancelled by a client")
+        # a cancelled job whose lease has run out is not taken over: its heartbeat set long past, a claim (as any
+        # replica's) finds nothing to take, and the two replicas' own claims found nothing either
+        store = open_store(tmp_path / "probe", queue_url, None, lease=float(LEASE))
+        try:
+            with psycopg.connect(queue_url, autocommit=True) as conn:
+                conn.execute("UPDATE jobs SET heartbeat = 0 WHERE id = ANY(%s)", ([first.id, queued.id],))
+            assert store.claim() is None
+        finally:
+            store.close()
+        rows = _rows(queue_url)
+        assert rows[first.id][:2] == ("failed", 1) and rows[queued.id][:2] == ("failed", 0) and second.id not in rows
+        assert not list(jobs.glob(f"videos/{first.id}*")) and not list(jobs.glob(f"videos/{second.id}*"))
+        for server in (runs_first, runs_second):
+            assert 'wan_aot_replica_jobs_total{outcome="cancelled"} 1.0' in httpx.get(server.url + "/metrics").text
+            assert "webhooks: cannot" not in server.output()  # their senders poll this database too
     finally:
         a.stop(signal.SIGKILL)
         b.stop(signal.SIGKILL)
@@ -215,7 +259,11 @@ def test_a_replica_stopped_past_its_lease_cannot_overwrite_the_new_owner(fp32_bu
         assert "its result is dropped" in stopped.output(), stopped.output()
         status, attempts, owner, video = _rows(queue_url)[job.id]
         assert (status, attempts, owner, video) == after and owner != first_owner and attempts == 2
-        assert sorted(p.name for p in (jobs / "videos").glob(f"{job.id}*")) == [Path(video).name]
+        from runtime.serve.jobs import derived_keys
+
+        # the new owner's video, thumbnail and spritesheet; none of the stopped one's
+        assert sorted(p.name for p in (jobs / "videos").glob(f"{job.id}*")) == sorted(
+            Path(key).name for key in (video, *derived_keys(video)))
 
 
 def test_replicas_starting_at_once_on_an_empty_database(queue_url: str, tmp_path: Path) -> None:
@@ -276,6 +324,39 @@ def test_claims_are_fenced_and_attempts_are_limited(queue_url: str, tmp_path: Pa
         b.complete(theirs, b.video_key(theirs))
 
 
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_a_cancelled_job_is_never_claimed_again(database: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """In process, two stores on one database (one SQLite file, or PostgreSQL): a job one runs, cancelled through the
+    other, refuses its owner's next write and reads as cancelled (not taken over), and no claim takes it, its lease
+    run out or not; a queued job cancelled is never claimed; a running one deleted reads as cancelled too."""
+    from runtime.serve.jobs import Lost, open_store
+
+    queue = request.getfixturevalue("queue_url") if database == "postgresql" else f"sqlite://{tmp_path / 'q.db'}"
+    a = open_store(tmp_path / "a", queue, None, lease=0.3)
+    b = open_store(tmp_path / "b", queue, None, lease=0.3)
+    try:
+        running = a.add(model="m", size="64x32", seconds="1", prompt="p", params={}, images=[], queue_size=9)
+        queued = a.add(model="m", size="64x32", seconds="1", prompt="q", params={}, images=[], queue_size=9)
+        mine = a.claim()
+        assert mine.id == running.id
+        cancelled = b.cancel(running.id)
+        assert (cancelled.status, cancelled.error_code) == ("failed", "cancelled")
+        with pytest.raises(Lost):
+            a.set_progress(mine, 10)
+        assert not a.heartbeat(mine) and a.cancelled(mine)
+        b.cancel(queued.id)
+        with a.db.transaction(exclusive=False) as tx:  # their leases long run out: a running job would be claimed
+            tx.execute("UPDATE jobs SET heartbeat = 0")
+        assert a.claim() is None and b.claim() is None
+        again = a.add(model="m", size="64x32", seconds="1", prompt="r", params={}, images=[], queue_size=9)
+        theirs = b.claim()
+        assert theirs.id == again.id and a.delete(again.id) is not None and b.cancelled(theirs)
+        assert a.get(running.id).attempts == 1 and a.get(queued.id).attempts == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_lease_stops_heartbeating_a_stalled_job() -> None:
     from runtime.serve.lease import Lease
 
@@ -318,13 +399,20 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
         def video_key(self, job) -> str:
             return "videos/j-1.mp4"
 
-        def complete(self, job, key: str) -> None:
+        def preview_key(self, job) -> str:
+            return "previews/j-1.png"
+
+        def cancelled(self, job) -> bool:
+            return False
+
+        def complete(self, job, key: str, also: tuple[str, ...] = ()) -> None:
             assert not completed.is_set()
             completed.set()
 
-    def run_job(pipe, params, images, video, **callbacks) -> None:
+    def run_job(pipe, params, images, video, **callbacks):
         assert in_flight.wait(5)  # return while a heartbeat is in flight
         video.write_bytes(b"mp4")
+        return np.zeros((1, 8, 8, 3), np.float32)  # the frames: the thumbnail and spritesheet are made of them
 
     from runtime.serve.limits import Limits
 

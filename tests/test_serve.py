@@ -6,6 +6,7 @@ Servers listen on 127.0.0.1 only; every wait is bounded.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -39,6 +40,7 @@ class Server:
                  port: int | None = None) -> None:
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.jobs = jobs
         self.log = open(jobs.parent / f"server-{self.port}-{time.time_ns()}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime", "serve", str(bundle), "--port", str(self.port), "--jobs-dir", str(jobs),
@@ -285,19 +287,57 @@ def test_image_for_a_text_only_bundle_and_limits(tiny_server: Server, tmp_path: 
 
 
 def test_image_to_video_through_input_reference(kind_bundles, tmp_path: Path) -> None:
+    """An image-to-video job with the image as a multipart file (the SDK's input_reference) and as JSON
+    {"image_url": "data:..."} (the same video); any other URL is refused (the server fetches nothing). On its result:
+    an extension (the source, then the new frames from its last one), a remix and an edit of an upload (the source
+    noised at `strength`), through the SDK (this kind's documents are fuzzed in tests/test_api_kinds.py)."""
+    import base64
+
+    import httpx
+
     png, notes = tmp_path / "first.png", tmp_path / "notes.png"
     test_image(70, 50).save(png)
     notes.write_text("not an image")
-    with serving(kind_bundles["i2v"], tmp_path / "jobs") as server:
+    with serving(kind_bundles["i2v"], tmp_path / "jobs", "--max-steps", "2") as server:
         client = server.client(key="unused")
         video = client.videos.create_and_poll(prompt="a robot", input_reference=png.open("rb"),
                                               extra_body={"num_inference_steps": 2}, poll_interval_ms=50)
         assert video.status == "completed", video.error
-        assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == (9, 32, 48, 3)
+        frames = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).astype(int)
+        assert frames.shape == (9, 32, 48, 3)
         for kwargs, message in (({}, "needs an image"), ({"input_reference": notes.open("rb")}, "not an image")):
             with pytest.raises(openai.BadRequestError) as e:
                 client.videos.create(prompt="a robot", **kwargs)
             assert e.value.body["param"] == "input_reference" and message in e.value.body["message"]
+        url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+        r = httpx.post(server.url + "/v1/videos", json={"prompt": "a robot", "num_inference_steps": 2,
+                                                        "input_reference": {"image_url": url}})
+        assert r.status_code == 200, r.text
+        same = _mp4_frames(client.videos.download_content(_wait(client, r.json()["id"], "completed").id).read(),
+                           tmp_path).astype(int)
+        assert np.abs(same - frames).max() <= 1
+        r = httpx.post(server.url + "/v1/videos", json={"prompt": "a robot",
+                                                        "input_reference": {"image_url": "https://example.com/a.png"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
+        assert "the server fetches nothing" in r.json()["error"]["message"]
+
+        longer = client.videos.extend(prompt="the robot walks on", seconds="0.5625", video=openai.omit,
+                                      extra_body={"video": {"id": video.id}})
+        longer = _wait(client, longer.id, ("completed", "failed"))
+        assert (longer.status, longer.seconds, longer.remixed_from_video_id) == ("completed", "1.0625", video.id)
+        extended = _mp4_frames(client.videos.download_content(longer.id).read(), tmp_path).astype(int)
+        assert extended.shape == (17, 32, 48, 3)  # 9, then 9 new ones from the last: that frame once
+        assert np.abs(extended[:9] - frames).mean() < 3  # the source's frames (encoded once more)
+        remix = _wait(client, client.videos.remix(video.id, prompt="a robot dancing",
+                                                  extra_body={"strength": 0.6}).id, ("completed", "failed"))
+        with open(tmp_path / "upload.mp4", "wb") as f:
+            f.write(client.videos.download_content(longer.id).read())
+        with open(tmp_path / "upload.mp4", "rb") as f:
+            edit = _wait(client, client.videos.edit(prompt="a robot dancing", video=f).id, ("completed", "failed"))
+        for made, source in ((remix, video.id), (edit, None)):
+            assert (made.status, made.remixed_from_video_id, made.seconds) == ("completed", source, "0.5625")
+            assert np.abs(_mp4_frames(client.videos.download_content(made.id).read(), tmp_path).astype(int)
+                          - frames).max() > 8  # remade, not copied
 
 
 def test_a_full_queue_answers_429_with_retry_after(fp32_bundles, tmp_path: Path) -> None:
@@ -467,7 +507,9 @@ def test_refused_requests_are_labelled_with_their_route_and_405_says_allow(tiny_
 
 def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None:
     """Process 0 serves and owns the queue; process 1 runs each broadcast job with it (2 x 4 CPU devices), in each
-    of the bundle's shapes (the broadcast carries the job's shape: cpu8_bundle has a portrait one)."""
+    of the bundle's shapes (the broadcast carries the job's shape: cpu8_bundle has a portrait one), with the live
+    preview (a global array every process reads); a job cancelled while it runs stops on both processes at the same
+    step (else the next job's collectives would never meet)."""
     bundle = cpu8_bundle
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -482,6 +524,13 @@ def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None
                                                   extra_body={"num_inference_steps": 2, "seed": seed})
             assert video.status == "completed", (video.error, leader.output(), follower.output())
             assert _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).shape == shape
+        slow = client.videos.create(prompt="stopped on both", extra_body={"num_inference_steps": 400})
+        _running(client, slow.id)
+        client.post(f"/videos/{slow.id}/cancel", cast_to=openai.types.Video)
+        after = client.videos.create_and_poll(prompt="the next one", poll_interval_ms=50,
+                                              extra_body={"num_inference_steps": 2})
+        assert after.status == "completed", (after.error, leader.output(), follower.output())
+        assert "stopped with process 0" in follower.output()
         assert leader.stop(signal.SIGTERM) == 0
         assert follower.proc.wait(timeout=60) == 0, follower.output()
         assert not (tmp_path / "jobs-1").exists()  # only process 0 owns a job store
@@ -518,3 +567,192 @@ def test_server_defaults_magcache_and_lora_adapters(kind_bundles, kind_checkpoin
         served = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).astype(np.int16)
     assert np.abs(served - videos["cli"]).max() <= 1
     assert np.abs(served - videos["plain"]).max() > 1
+
+
+# -- cancel, previews, remix ----------------------------------------------------------------------------------------
+SLOW = {"num_inference_steps": 1000}  # ~10 s of steps on the tiny model: a job that is still running when asked
+
+
+def _running(client: openai.OpenAI, video_id: str, timeout: float = 120):
+    """The job once it has made a step of progress (in progress, and its first step written)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        video = client.videos.retrieve(video_id)
+        if video.status == "in_progress" and video.progress >= 1:
+            return video
+        assert video.status in ("queued", "in_progress"), (video.status, video.error)
+        time.sleep(0.05)
+    raise AssertionError(f"{video_id} did not start in {timeout} s")
+
+
+def _log_until(server: Server, text: str, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        log = Path(server.log.name).read_text()
+        if text in log:
+            return log
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the log in {timeout} s:\n{server.output()}")
+
+
+def _stopped_after(log: str, video_id: str) -> int:
+    import re
+
+    return int(re.search(rf"job {video_id}: cancelled by a client; stopped after (\d+) denoising steps", log)[1])
+
+
+def test_cancel_and_delete_stop_a_running_job_and_a_queued_one_never_runs(tiny_server: Server) -> None:
+    """POST .../cancel of a running job: it stops within one step of the cancel (progress counts steps by the
+    percent: 1000 steps, 10 a point), stays failed with code `cancelled`, stores nothing, and the next job starts; a
+    queued job cancelled never runs; DELETE of a running job stops it too and leaves nothing; the replica counts
+    them."""
+    import httpx
+
+    client = tiny_server.client()
+    running = client.videos.create(prompt="cancel me", extra_body=SLOW)
+    queued = client.videos.create(prompt="cancel me before I run", extra_body=SLOW)
+    following = client.videos.create(prompt="the next job", extra_body={"num_inference_steps": 2})
+    _running(client, running.id)
+    cancelled = client.post(f"/videos/{queued.id}/cancel", cast_to=openai.types.Video)  # queued: never runs
+    assert (cancelled.status, cancelled.error.code) == ("failed", "cancelled")
+    at_cancel = client.post(f"/videos/{running.id}/cancel", cast_to=openai.types.Video)
+    assert (at_cancel.status, at_cancel.error.code) == ("failed", "cancelled") and at_cancel.progress < 100
+    log = _log_until(tiny_server, f"job {running.id}: cancelled by a client")
+    assert _stopped_after(log, running.id) <= 10 * at_cancel.progress + 10  # the step in flight, and no other
+    assert _wait(client, following.id, ("completed", "failed")).status == "completed"  # the next job ran
+    assert f"job {queued.id}: started" not in Path(tiny_server.log.name).read_text()
+    after = client.videos.retrieve(running.id)
+    assert (after.status, after.error.code, after.progress) == ("failed", "cancelled", at_cancel.progress)
+    for video_id in (running.id, queued.id):
+        with pytest.raises(openai.ConflictError):  # nothing to download
+            client.videos.download_content(video_id)
+        assert not list((tiny_server.jobs / "videos").glob(f"{video_id}*"))
+    with pytest.raises(openai.ConflictError) as e:  # ended already
+        client.post(f"/videos/{following.id}/cancel", cast_to=openai.types.Video)
+    assert e.value.body["code"] == "video_not_cancellable"
+    with pytest.raises(openai.NotFoundError):
+        client.post("/videos/video_nope/cancel", cast_to=openai.types.Video)
+    deleted = client.videos.create(prompt="delete me while I run", extra_body=SLOW)
+    _running(client, deleted.id)
+    assert client.videos.delete(deleted.id).deleted
+    _log_until(tiny_server, f"job {deleted.id}: cancelled by a client")
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(deleted.id)
+    assert not list((tiny_server.jobs / "videos").glob(f"{deleted.id}*"))
+    assert not list((tiny_server.jobs / "previews").glob(f"{deleted.id}*"))
+    metrics = httpx.get(tiny_server.url + "/metrics").text
+    assert 'wan_aot_replica_jobs_total{outcome="cancelled"} 2.0' in metrics
+
+
+def test_a_running_jobs_thumbnail_is_its_live_preview_then_the_first_frame(tiny_server: Server,
+                                                                          tmp_path: Path) -> None:
+    """While a job runs, variant=thumbnail is a WebP at the video's size that changes between steps; when it has
+    completed, the thumbnail is the mp4's first frame (within the codecs' tolerance) and the spritesheet its frames
+    in the documented grid (thumbnails.py)."""
+    from PIL import Image
+
+    from runtime.serve import thumbnails
+
+    client = tiny_server.client()
+    job = client.videos.create(prompt="a preview of a fox", size="32x64", extra_body=SLOW)
+    _running(client, job.id)
+    seen = []
+    deadline = time.time() + 60
+    while len(seen) < 2 and time.time() < deadline:  # two previews of different steps
+        try:
+            data = client.videos.download_content(job.id, variant="thumbnail").read()
+        except openai.ConflictError:  # its first preview is still being stored
+            continue
+        image = Image.open(io.BytesIO(data))
+        assert image.format == "WEBP" and image.size == (32, 64)
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+        if not seen or np.abs(pixels - seen[-1]).max() > 0:
+            seen.append(pixels)
+        time.sleep(0.05)
+    assert len(seen) == 2, "the live preview did not change between steps"
+    client.videos.delete(job.id)
+    video = client.videos.create_and_poll(prompt="a finished fox", extra_body={"num_inference_steps": 2},
+                                          poll_interval_ms=50)
+    frames = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).astype(int)
+    thumb = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").read()))
+    assert thumb.format == "WEBP" and thumb.size == (64, 32)
+    difference = np.abs(np.asarray(thumb.convert("RGB")).astype(int) - frames[0])
+    assert difference.mean() < 4 and difference.max() < 48, (difference.mean(), difference.max())
+    sheet = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="spritesheet").read()))
+    n, columns, rows, tw, th = thumbnails.spritesheet_geometry(9, 64, 32)
+    assert sheet.format == "JPEG" and sheet.size == (columns * tw, rows * th) == (192, 96)
+    tiles = np.asarray(sheet.convert("RGB")).astype(int)
+    for k, index in enumerate(thumbnails.sprite_indices(9)):
+        tile = tiles[(k // columns) * th:(k // columns + 1) * th, (k % columns) * tw:(k % columns + 1) * tw]
+        assert np.abs(tile - frames[index]).mean() < 6, k
+    with pytest.raises(openai.BadRequestError):
+        client.videos.download_content(video.id, variant="poster")
+
+
+def test_remix_and_edit_on_a_text_to_video_bundle(tiny_server: Server, tmp_path: Path) -> None:
+    """Without a VAE encoder a remix is the source's seed and settings with the new prompt: the same prompt makes the
+    same video, another prompt another; `remixed_from_video_id` names the source; an edit of a completed video by id
+    (the SDK's extra_body, sent as the form field video[id]) is the same; an upload, an extension, a source that has
+    not completed and another tenant's (unknown: 404) are refused, each naming the field."""
+    import httpx
+
+    client = tiny_server.client()
+    source = client.videos.create_and_poll(prompt="a lighthouse at night", size="32x64", seconds="0.3125",
+                                           extra_body={"num_inference_steps": 2, "seed": 5}, poll_interval_ms=50)
+    same = _wait(client, client.videos.remix(source.id, prompt="a lighthouse at night").id, ("completed", "failed"))
+    other = _wait(client, client.videos.edit(prompt="a castle at dawn", video=openai.omit,
+                                             extra_body={"video": {"id": source.id}}).id, ("completed", "failed"))
+    for video in (same, other):
+        assert (video.status, video.remixed_from_video_id, video.size, video.seconds) == (
+            "completed", source.id, "32x64", "0.3125"), video.error
+    frames = {v.id: _mp4_frames(client.videos.download_content(v.id).read(), tmp_path).astype(int)
+              for v in (source, same, other)}
+    assert np.abs(frames[same.id] - frames[source.id]).max() <= 1  # the source's seed and settings
+    assert np.abs(frames[other.id] - frames[source.id]).max() > 8  # the new prompt
+    upload = ("v.mp4", io.BytesIO(client.videos.download_content(source.id).read()), "video/mp4")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.videos.edit(prompt="a castle", video=upload)
+    assert e.value.body["param"] == "video" and "without a VAE encoder" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.videos.extend(prompt="more", seconds="0.5625", video=openai.omit,
+                             extra_body={"video": {"id": source.id}})
+    assert e.value.body["message"].endswith("(the kinds that extend: ti2v, i2v, i2v-moe, vace, vace-moe)")
+    busy = client.videos.create(prompt="not yet", extra_body=SLOW)
+    with pytest.raises(openai.ConflictError) as e:
+        client.videos.remix(busy.id, prompt="too soon")
+    assert e.value.body["code"] == "video_not_ready"
+    client.videos.delete(busy.id)
+    for path in ("/v1/videos/video_nope/remix", "/v1/videos/edits"):
+        r = httpx.post(tiny_server.url + path, headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "x", **({"video": {"id": "video_nope"}} if "edits" in path else {})})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    r = httpx.post(tiny_server.url + f"/v1/videos/{source.id}/remix", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "x", "strength": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "strength"
+
+
+def test_ctrl_c_in_generate_leaves_no_file(fp32_bundles, tmp_path: Path) -> None:
+    """SIGINT (the terminal's Ctrl-C, to the whole process group) while `runtime generate` denoises: it stops with
+    one line and status 130, and no mp4 (nor a partial one) is left."""
+    out = tmp_path / "out" / "video.mp4"
+    out.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]),
+                             "--prompt", "a fox", "--steps", "1000", "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    try:
+        seen = b""
+        deadline = time.time() + 180
+        while b"denoising:" not in seen and time.time() < deadline:  # tqdm's bar: the steps are running
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, proc.wait()
+            seen += chunk
+        assert b"denoising:" in seen
+        os.killpg(proc.pid, signal.SIGINT)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = (seen + rest).decode()
+    assert proc.returncode == 130 and stderr.rstrip().endswith("error: interrupted"), stderr[-2000:]
+    assert "Traceback" not in stderr and list(out.parent.iterdir()) == []

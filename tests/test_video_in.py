@@ -259,6 +259,23 @@ def test_a_video_to_a_bundle_that_takes_none_is_refused(tmp_path) -> None:
 
 
 # -- the server: video uploads -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vace_server(bundles, tmp_path_factory):
+    """The VACE bundle served (with a key), for the tests of this module that need one."""
+    from .test_serve import KEY, serving
+
+    with serving(bundles["vace"], tmp_path_factory.mktemp("vace-server") / "jobs", "--api-key", KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def v2v_server(bundles, tmp_path_factory):
+    from .test_serve import serving
+
+    with serving(bundles["v2v"], tmp_path_factory.mktemp("v2v-server") / "jobs") as server:
+        yield server
+
+
 def _mp4(frames: list, path: Path) -> Path:
     import imageio.v2 as imageio
 
@@ -283,13 +300,13 @@ def _cli(bundle: Path, tmp_path: Path, name: str, *args: str) -> np.ndarray:
 
 
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
-def test_the_server_takes_videos_through_the_openai_sdk(bundles, tmp_path) -> None:
+def test_the_server_takes_videos_through_the_openai_sdk(bundles, vace_server, v2v_server, tmp_path) -> None:
     """A VACE job with an mp4 control video sent as the openai SDK sends input_reference (a multipart file), a mask
     and a reference image as more file parts, and a video-to-video job with its strength: each the CLI's video;
     what does not fit the bundle is a 400 naming the field."""
     import httpx
 
-    from .test_serve import KEY, serving
+    from .test_serve import KEY
 
     _, res, frames, _, _ = CASES["vace"]
     width, height = map(int, res.split("x"))
@@ -298,53 +315,102 @@ def test_the_server_takes_videos_through_the_openai_sdk(bundles, tmp_path) -> No
     test_image(30, 40, seed=5).save(tmp_path / "ref.png")
     want = _cli(bundles["vace"], tmp_path, "vace", "--video", str(control), "--mask", str(mask), "--reference-image",
                 str(tmp_path / "ref.png"), "--steps", "2", "--conditioning-scale", "0.5")
-    with serving(bundles["vace"], tmp_path / "jobs-vace", "--api-key", KEY) as server:
-        client = server.client()
-        card = client.models.list().data[0].model_dump()
-        assert (card["video"], card["mask"], card["reference_images"]) == (True, True, [0, 1])
-        files = {"input_reference": ("control.mp4", control.read_bytes(), "video/mp4"),
-                 "mask": ("mask.mp4", mask.read_bytes(), "video/mp4"),
-                 "reference_image": ("ref.png", (tmp_path / "ref.png").read_bytes(), "image/png")}
-        headers = {"Authorization": f"Bearer {KEY}"}
-        r = httpx.post(server.url + "/v1/videos", headers=headers, files=files,
-                       data={"prompt": PROMPT, "num_inference_steps": "2", "conditioning_scale": "0.5"})
-        assert r.status_code == 200, r.text
-        assert np.abs(_served(client, r.json()["id"], tmp_path) - want).max() <= 1
-        # the SDK's own path: input_reference=open(...) and extra_body fields
-        with open(control, "rb") as f:
-            sdk = client.videos.create(prompt=PROMPT, input_reference=f, extra_body={"num_inference_steps": 2})
-        sdk_want = _cli(bundles["vace"], tmp_path, "sdk", "--video", str(control), "--steps", "2")
-        assert np.abs(_served(client, sdk.id, tmp_path) - sdk_want).max() <= 1
-        short = _mp4(_video(frames - 4, width, height), tmp_path / "short.mp4")
-        for extra, param, message in [
-            ({"input_reference": ("s.mp4", short.read_bytes(), "video/mp4")}, "input_reference",
-             f"input_reference has {frames - 4} frames"),
-            ({**files, "mask": ("m.mp4", short.read_bytes(), "video/mp4")}, "mask", f"mask has {frames - 4} frames"),
-            ({"input_reference": ("x.mp4", b"not a video", "video/mp4")}, "input_reference", "input_reference: "
-                                                                                              "cannot read"),
-            ([("reference_image", ("a.png", (tmp_path / "ref.png").read_bytes(), "image/png"))] * 2,
-             "reference_image", "reference_image is sent 2 times; this bundle takes at most 1"),
-        ]:
-            r = httpx.post(server.url + "/v1/videos", headers=headers, files=extra, data={"prompt": PROMPT})
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-            assert r.json()["error"]["message"].startswith(message), r.text
-        r = httpx.post(server.url + "/v1/videos", headers=headers, json={"prompt": PROMPT, "strength": 0.5})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "strength"
+    server = vace_server
+    client = server.client()
+    card = client.models.list().data[0].model_dump()
+    assert (card["video"], card["mask"], card["reference_images"]) == (True, True, [0, 1])
+    files = {"input_reference": ("control.mp4", control.read_bytes(), "video/mp4"),
+             "mask": ("mask.mp4", mask.read_bytes(), "video/mp4"),
+             "reference_image": ("ref.png", (tmp_path / "ref.png").read_bytes(), "image/png")}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/videos", headers=headers, files=files,
+                   data={"prompt": PROMPT, "num_inference_steps": "2", "conditioning_scale": "0.5"})
+    assert r.status_code == 200, r.text
+    assert np.abs(_served(client, r.json()["id"], tmp_path) - want).max() <= 1
+    # the SDK's own path: input_reference=open(...) and extra_body fields
+    with open(control, "rb") as f:
+        sdk = client.videos.create(prompt=PROMPT, input_reference=f, extra_body={"num_inference_steps": 2})
+    sdk_want = _cli(bundles["vace"], tmp_path, "sdk", "--video", str(control), "--steps", "2")
+    assert np.abs(_served(client, sdk.id, tmp_path) - sdk_want).max() <= 1
+    short = _mp4(_video(frames - 4, width, height), tmp_path / "short.mp4")
+    for extra, param, message in [
+        ({"input_reference": ("s.mp4", short.read_bytes(), "video/mp4")}, "input_reference",
+         f"input_reference has {frames - 4} frames"),
+        ({**files, "mask": ("m.mp4", short.read_bytes(), "video/mp4")}, "mask", f"mask has {frames - 4} frames"),
+        ({"input_reference": ("x.mp4", b"not a video", "video/mp4")}, "input_reference", "input_reference: "
+                                                                                          "cannot read"),
+        ([("reference_image", ("a.png", (tmp_path / "ref.png").read_bytes(), "image/png"))] * 2,
+         "reference_image", "reference_image is sent 2 times; this bundle takes at most 1"),
+    ]:
+        r = httpx.post(server.url + "/v1/videos", headers=headers, files=extra, data={"prompt": PROMPT})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(message), r.text
+    r = httpx.post(server.url + "/v1/videos", headers=headers, json={"prompt": PROMPT, "strength": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "strength"
     source = _mp4(_video(frames, width, height, seed=12), tmp_path / "source.mp4")
     want = _cli(bundles["v2v"], tmp_path, "v2v", "--video", str(source), "--steps", "5", "--strength", "0.6")
-    with serving(bundles["v2v"], tmp_path / "jobs-v2v") as server:
-        client = server.client(key="unused")
-        with open(source, "rb") as f:
-            video = client.videos.create(prompt=PROMPT, input_reference=f,
-                                         extra_body={"num_inference_steps": 5, "strength": 0.6})
-        assert np.abs(_served(client, video.id, tmp_path) - want).max() <= 1
+    client = v2v_server.client(key="unused")
+    with open(source, "rb") as f:
+        video = client.videos.create(prompt=PROMPT, input_reference=f,
+                                     extra_body={"num_inference_steps": 5, "strength": 0.6})
+    assert np.abs(_served(client, video.id, tmp_path) - want).max() <= 1
 
 
-def test_the_playground_takes_a_video_mask_and_references(bundles, tmp_path) -> None:
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_remix_edit_and_extend_on_vace_and_video_to_video(vace_server, v2v_server, tmp_path) -> None:
+    """Through the SDK (a completed video by reference as extra_body={"video": {"id": ...}}, an upload as a file):
+    VACE extends a video (its last frames kept as the given frames of the new part's: the result begins with the
+    source's frames, the frames they share once) and remakes one (its latents noised at `strength`); a
+    video-to-video bundle remakes and edits, and refuses to extend, naming the kinds that do."""
+    import openai
+
+    from .test_serve import _mp4_frames, _wait
+
+    def frames_of(client, video_id: str) -> np.ndarray:
+        return _mp4_frames(client.videos.download_content(video_id).read(), tmp_path).astype(np.int16)
+
+    client = vace_server.client()
+    source = client.videos.create_and_poll(prompt=PROMPT, extra_body={"num_inference_steps": 2}, poll_interval_ms=50)
+    first = frames_of(client, source.id)
+    longer = _wait(client, client.videos.extend(prompt="the boat sails on", seconds="0.5625", video=openai.omit,
+                                                extra_body={"video": {"id": source.id}}).id, ("completed", "failed"))
+    from runtime.serve.derive import vace_overlap
+
+    kept = vace_overlap(9)
+    assert (longer.status, longer.remixed_from_video_id) == ("completed", source.id), longer.error
+    extended = frames_of(client, longer.id)
+    assert extended.shape[0] == 9 + 9 - kept and longer.seconds == f"{(18 - kept) / 16:g}"
+    assert np.abs(extended[:9] - first).mean() < 3  # the source's frames (encoded once more)
+    remix = _wait(client, client.videos.remix(source.id, prompt="a calm sea", extra_body={"strength": 0.7}).id,
+                  ("completed", "failed"))
+    from PIL import Image
+
+    with open(_mp4([Image.fromarray(f.astype(np.uint8)) for f in first], tmp_path / "upload.mp4"), "rb") as f:
+        edit = _wait(client, client.videos.edit(prompt="a calm sea", video=f).id, ("completed", "failed"))
+    for made, from_id in ((remix, source.id), (edit, None)):
+        assert (made.status, made.remixed_from_video_id, made.seconds) == ("completed", from_id, "0.5625"), made.error
+        assert np.abs(frames_of(client, made.id) - first).max() > 8  # remade
+    client = v2v_server.client(key="unused")
+    with open(tmp_path / "upload.mp4", "rb") as f:
+        v2v = client.videos.create_and_poll(prompt=PROMPT, input_reference=f, poll_interval_ms=50,
+                                            extra_body={"num_inference_steps": 3})
+    remix = _wait(client, client.videos.remix(v2v.id, prompt="a calm sea").id, ("completed", "failed"))
+    with open(tmp_path / "upload.mp4", "rb") as f:
+        edit = _wait(client, client.videos.edit(prompt="a calm sea", video=f, extra_body={"strength": 1.0}).id,
+                     ("completed", "failed"))
+    for made, from_id in ((remix, v2v.id), (edit, None)):
+        assert (made.status, made.remixed_from_video_id) == ("completed", from_id), made.error
+    with pytest.raises(openai.BadRequestError) as e:
+        client.videos.extend(prompt="more", seconds="0.5625", video=openai.omit, extra_body={"video": {"id": v2v.id}})
+    assert e.value.body["param"] == "video" and "the kinds that extend: ti2v, i2v, i2v-moe, vace, vace-moe" in \
+        e.value.body["message"]
+
+
+def test_the_playground_takes_a_video_mask_and_references(bundles, vace_server, tmp_path) -> None:
     """On a VACE bundle the page shows its video, mask and reference image inputs (no strength, which is
     video-to-video's), and a job made there with the Euler sampler is the CLI's video with those flags."""
     from .test_playground import CHROMIUM, sync_api
-    from .test_serve import serving
+    from .test_serve import KEY
 
     _, res, frames, _, _ = CASES["vace"]
     width, height = map(int, res.split("x"))
@@ -352,10 +418,13 @@ def test_the_playground_takes_a_video_mask_and_references(bundles, tmp_path) -> 
     test_image(24, 40, seed=6).save(tmp_path / "ref.png")
     want = _cli(bundles["vace"], tmp_path, "cli", "--video", str(control), "--reference-image",
                 str(tmp_path / "ref.png"), "--steps", "2", "--sampler", "euler")
-    with serving(bundles["vace"], tmp_path / "jobs") as server, sync_api.sync_playwright() as pw:
+    server = vace_server
+    with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         page = browser.new_page()
         page.goto(server.url + "/")
+        page.get_by_label("API key").fill(KEY)
+        page.get_by_label("API key").press("Enter")
         sync_api.expect(page.get_by_label("Prompt", exact=True)).to_be_visible()
         for shown in ("Video (control or source)", "Mask video (white areas are made anew)", "Reference images",
                       "Sampler", "Control scale"):
@@ -373,7 +442,7 @@ def test_the_playground_takes_a_video_mask_and_references(bundles, tmp_path) -> 
         page.wait_for_function("v => v.readyState >= 1 && v.duration > 0", arg=video.element_handle(),
                                timeout=60_000)
         browser.close()
-        client = server.client(key="unused")
+        client = server.client()
         job = client.videos.list(limit=1).data[0]
         assert np.abs(_served(client, job.id, tmp_path) - want).max() <= 1
 

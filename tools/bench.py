@@ -27,6 +27,7 @@ sys.path.insert(2 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pa
 
 from benchmarks import (  # noqa: E402
     animate,
+    cancel,
     e2e,
     eager,
     export_time,
@@ -35,6 +36,7 @@ from benchmarks import (  # noqa: E402
     forcing,
     load,
     lora,
+    preview,
     quantize,
     ready,
     roofline,
@@ -61,6 +63,8 @@ MEASURES = {  # name: (module, the question it answers)
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
+    "preview": (preview, "what a live preview (the x0 estimate through a latent-to-RGB map) costs a denoising step"),
+    "cancel": (cancel, "the time from a cancel of a running job to the replica's next job, SQLite and PostgreSQL"),
     "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
     "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
 }

@@ -9,7 +9,8 @@ insert" one atomic step across replicas.
 The schema is created on first start (`CREATE TABLE IF NOT EXISTS`, under the same lock on PostgreSQL, so
 several replicas starting at once on an empty database are safe) with a version row; a database of an older version
 is upgraded in place (version 2 added the tenant a job belongs to, `default` for the jobs before, and when each
-tenant was last served), one of a newer version is refused.
+tenant was last served; version 3 the webhook endpoints and deliveries, which the replica that ends a job writes, so
+an older replica would leave them out), one of a newer version is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 from ..errors import UserError
 from ..files import private_dir, private_file
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 2: tenants; 3: webhook endpoints and their deliveries (written when a job ends)
 _ADVISORY_LOCK = 0x77616E61  # "wana": the lock exclusive transactions and the schema creation take
 
 _COLUMNS_DDL = """
@@ -55,9 +56,29 @@ _SCHEMA = [
     "CREATE TABLE IF NOT EXISTS wan_aot_schema (version INTEGER NOT NULL)",
     # when a job of each tenant was last claimed (the database's clock): whose turn it is next (jobs.py)
     "CREATE TABLE IF NOT EXISTS wan_aot_tenants (name TEXT PRIMARY KEY, served DOUBLE PRECISION NOT NULL)",
+    # each tenant's webhook endpoints, and the deliveries of job events to them, kept until a 2xx (webhooks.py)
+    """CREATE TABLE IF NOT EXISTS wan_aot_webhook_endpoints (
+        id TEXT PRIMARY KEY, seq BIGINT NOT NULL, tenant TEXT NOT NULL, name TEXT NOT NULL, url TEXT NOT NULL,
+        event_types TEXT NOT NULL,            -- JSON list
+        secret TEXT NOT NULL,                 -- whsec_..., signs the deliveries (Standard Webhooks)
+        old_secret TEXT, old_secret_until DOUBLE PRECISION,  -- rotate_secret keeping the old one for a while
+        created_at BIGINT NOT NULL, updated_at BIGINT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS wan_aot_endpoints_by_tenant ON wan_aot_webhook_endpoints (tenant, seq)",
+    """CREATE TABLE IF NOT EXISTS wan_aot_webhook_deliveries (
+        id TEXT PRIMARY KEY,                  -- the webhook-id header: the same on every attempt
+        endpoint TEXT NOT NULL,               -- an endpoint's id, or 'server' (--webhook-url, whose url is here)
+        url TEXT,
+        payload TEXT NOT NULL,                -- the event, as sent
+        created_at DOUBLE PRECISION NOT NULL, next_attempt DOUBLE PRECISION NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        state TEXT NOT NULL DEFAULT 'pending',  -- pending | delivered | failed (out of time) | dropped (no endpoint)
+        locked_until DOUBLE PRECISION NOT NULL DEFAULT 0,  -- a replica is sending it until then
+        last_error TEXT, done_at DOUBLE PRECISION)""",
+    "CREATE INDEX IF NOT EXISTS wan_aot_deliveries_due ON wan_aot_webhook_deliveries (state, next_attempt)",
 ]
-# Columns added since version 1, and what needs them: an upgrade adds those missing. `lora_passed` needs no new version:
-# a replica of version 2 that knows nothing of it reads and writes the jobs as before (its claims ignore it).
+# Columns added since version 1, and what needs them: every start adds those missing (whatever the version row says).
+# `lora_passed` (LoRA affinity, runtime/serve/loras.py) has no version of its own: it came with version 2, and a
+# replica that knows nothing of it reads and writes the jobs as before (its claims ignore it).
 _ADDED = (("tenant", "TEXT NOT NULL DEFAULT 'default'"), ("lora_passed", "INTEGER NOT NULL DEFAULT 0"))
 _AFTER_ADDED = ["CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq)"]
 

@@ -45,9 +45,23 @@ def send(message: dict[str, Any] | None) -> None:
     _broadcast_bytes(json.dumps(wire).encode())
 
 
+def agree(stop: bool | None) -> bool:
+    """Process 0's `stop` on every process (the others pass None): whether the running job stops here (a client
+    cancelled it). Asked at every step and stage boundary, by every process at the same one (worker.run_job's
+    `check`)."""
+    from jax.experimental import multihost_utils
+
+    flag = np.array([1 if stop else 0], np.int32)
+    return bool(np.asarray(multihost_utils.broadcast_one_to_all(flag))[0])
+
+
 def follow(pipe: Any) -> int:
     """Processes 1..N-1: run every job process 0 sends, until it says stop."""
-    from .worker import run_job
+    from .worker import Cancelled, run_job
+
+    def check() -> None:
+        if agree(None):
+            raise Cancelled
 
     log.info("following process 0's jobs")
     while True:
@@ -59,7 +73,9 @@ def follow(pipe: Any) -> int:
             log.info("process 0 stopped; exiting")
             return 0
         images = [base64.b64decode(b) for b in message["images"]]
-        try:
-            run_job(pipe, message["params"], images, None)
+        try:  # with a preview consumer as process 0 has: its previews read global arrays, every process takes part
+            run_job(pipe, message["params"], images, None, on_preview=lambda rgb: None, check=check)
+        except Cancelled:
+            log.info("the job was cancelled; stopped with process 0")
         except Exception:  # noqa: BLE001  (process 0 records the failure; stay in step with it)
             log.exception("job failed on this process")

@@ -15,6 +15,14 @@ MAX_ATTEMPTS times without finishing fails with code `attempts_exhausted` and a 
 being claimed again. Every state change is one committed transaction, so a replica killed at any point leaves each
 accepted job queued, in progress (until its lease runs out), completed or failed: never lost, never half-written.
 
+A client may cancel a job (`cancel`: it stays, failed with code `cancelled`) or delete it (`delete`) at any time, also
+while it runs: either is one write that takes the job out of progress, so the owner's next fenced write (its progress
+after the step in flight, or its heartbeat) finds it gone, and `cancelled` tells the owner to stop rather than think
+itself taken over; a cancelled job is never claimed again, lease or not.
+
+A job's end (completed or failed, cancellations included) is also an event for the tenant's webhook endpoints
+(runtime/serve/webhooks.py): `events` writes the deliveries in the same transaction as the end, so none is lost.
+
 Times are the database's clock (one clock for every replica); videos and images live in a Storage
 (runtime/serve/storage.py) under keys recorded on the job.
 """
@@ -27,7 +35,7 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..files import process_alive
 from .db import Database
@@ -65,7 +73,8 @@ class Job:
         out: dict[str, Any] = {"id": self.id, "object": "video", "created_at": self.created_at,
                                "completed_at": self.completed_at, "status": self.status, "model": self.model,
                                "progress": self.progress, "size": self.size, "seconds": self.seconds,
-                               "prompt": self.prompt, "error": None}
+                               "prompt": self.prompt, "error": None,
+                               "remixed_from_video_id": self.params.get("remixed_from_video_id")}
         if self.status == "failed":
             out["error"] = {"code": self.error_code or "generation_failed", "message": self.error_message or ""}
         return out
@@ -84,6 +93,24 @@ class Lost(Exception):
     deleted): its result must not be recorded."""
 
 
+class NotCancellable(Exception):
+    """The job has ended already (`status`: completed or failed): there is nothing to cancel."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class Events(Protocol):
+    """Where a job's end goes besides its row: the webhook deliveries of its tenant (runtime/serve/webhooks.py),
+    written in the transaction that ends the job."""
+
+    def job_ended(self, tx: Any, tenant: str, video_id: str, event_type: str) -> None: ...
+
+
+CANCELLED = "cancelled"  # the error code of a job a client cancelled (POST /v1/videos/{id}/cancel)
+
+
 def replica_id() -> str:
     """This process's owner name: host, pid and a random part (a restarted process never reuses one)."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -97,10 +124,11 @@ class JobStore:
     """The queue over one Database and one Storage; safe to use from several threads and several replicas."""
 
     def __init__(self, db: Database, storage: Storage, lease: float = DEFAULT_LEASE_S,
-                 owner: str | None = None, max_attempts: int = MAX_ATTEMPTS) -> None:
+                 owner: str | None = None, max_attempts: int = MAX_ATTEMPTS, events: Events | None = None) -> None:
         self.db, self.storage, self.lease = db, storage, float(lease)
         self.owner = owner or replica_id()
         self.max_attempts = max_attempts
+        self.events = events  # the webhooks' deliveries of a job's end (set by the server), or None
 
     def close(self) -> None:
         self.db.close()
@@ -160,6 +188,7 @@ class JobStore:
                                "error_code = 'attempts_exhausted', error_message = ? WHERE id = ?",
                                (f"the replica running this job stopped (it died, hung or lost the database) "
                                 f"{attempts} times; it was not tried again: submit it anew", job_id))
+                    self._ended(tx, tenant, job_id, "failed")
                     failed = job_id
                 else:
                     tx.execute(f"UPDATE jobs SET status = 'in_progress', owner = ?, heartbeat = {self.db.now}, "
@@ -179,20 +208,50 @@ class JobStore:
         if not self._fenced(job, f"progress = ?, heartbeat = {self.db.now}", (progress,)):
             raise Lost(job.id)
 
-    def complete(self, job: Job, video: str) -> None:
-        """Record `job` completed with the video stored under `video`; Lost if it is no longer ours (the video
-        is then removed: the job's new owner writes its own)."""
+    def complete(self, job: Job, video: str, also: tuple[str, ...] = ()) -> None:
+        """Record `job` completed with the video stored under `video` (and the files derived from it, `also`: its
+        thumbnail and spritesheet); Lost if it is no longer ours (they are then removed: the job's new owner writes
+        its own)."""
         if not self._fenced(job, f"status = 'completed', progress = 100, completed_at = {self.db.now_int}, video = ?",
-                            (video,)):
-            self.storage.delete(video)
+                            (video,), event="completed"):
+            for key in (video, *also):
+                self.storage.delete(key)
             raise Lost(job.id)
         self._drop_images(job)
+        self.storage.delete(self.preview_key(job))
 
     def fail(self, job: Job, code: str, message: str) -> None:
         if not self._fenced(job, f"status = 'failed', completed_at = {self.db.now_int}, error_code = ?, "
-                                 "error_message = ?", (code, message)):
+                                 "error_message = ?", (code, message), event="failed"):
             raise Lost(job.id)
         self._drop_images(job)
+        self.storage.delete(self.preview_key(job))
+
+    def cancel(self, job_id: str, tenant: str | None = None) -> Job | None:
+        """Cancel a queued or running job, keeping it: failed, with code `cancelled` (one write: it is never claimed
+        again, and its owner's next fenced write, after the step in flight, finds it no longer in progress). Returns
+        the job, None if unknown (or not `tenant`'s); NotCancellable if it has ended already."""
+        where, args = ("id = ?", (job_id,)) if tenant is None else ("id = ? AND tenant = ?", (job_id, tenant))
+        with self.db.transaction(exclusive=False) as tx:
+            n = tx.execute(f"UPDATE jobs SET status = 'failed', completed_at = {self.db.now_int}, error_code = ?, "
+                           f"error_message = ? WHERE {where} AND status IN ('queued', 'in_progress')",
+                           (CANCELLED, "cancelled by the client (POST /v1/videos/{id}/cancel)", *args))
+            if n:
+                row = tx.one("SELECT tenant FROM jobs WHERE id = ?", (job_id,))
+                self._ended(tx, row[0], job_id, "failed")
+        job = self.get(job_id, tenant)
+        if job is None:
+            return None
+        if not n:
+            raise NotCancellable(job.status)
+        self._drop_images(job)
+        self.storage.delete(self.preview_key(job))
+        return job
+
+    def cancelled(self, job: Job) -> bool:
+        """Whether `job`, which this replica ran, was cancelled or deleted by a client (rather than taken over)."""
+        now = self.get(job.id)
+        return now is None or (now.status == "failed" and now.error_code == CANCELLED and now.attempts == job.attempts)
 
     def release(self, job: Job) -> None:
         """Give an unfinished job back to the queue at once (its attempt stays counted)."""
@@ -216,20 +275,21 @@ class JobStore:
         return [j for j in map(self.get, expired) if j is not None]
 
     def delete(self, job_id: str, tenant: str | None = None) -> Job | None:
-        """Remove a job that is not running (its video and images too); returns it, or None if unknown (or not
-        `tenant`'s, where given). Raises RuntimeError for a job in progress."""
+        """Remove a job (its video, the files derived from it and its images too), also one queued (it never runs)
+        or running (its owner stops after the step in flight, storing nothing); returns it, or None if unknown (or
+        not `tenant`'s, where given)."""
         job = self.get(job_id, tenant)
         if job is None:
             return None
         with self.db.transaction(exclusive=False) as tx:
-            n = tx.execute("DELETE FROM jobs WHERE id = ? AND status != 'in_progress'", (job_id,))
+            n = tx.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         if n == 0:
-            if self.get(job_id) is None:
-                return None
-            raise RuntimeError("in progress")
+            return None
         if job.video:
-            self.storage.delete(job.video)
+            for key in (job.video, *derived_keys(job.video)):
+                self.storage.delete(key)
         self._drop_images(job)
+        self.storage.delete(self.preview_key(job))
         return job
 
     # -- reads --------------------------------------------------------------
@@ -280,6 +340,10 @@ class JobStore:
         the job's current owner."""
         return f"videos/{job.id}-{job.attempts}.mp4"
 
+    def preview_key(self, job: Job) -> str:
+        """Where the running attempt's live preview goes (runtime/serve/thumbnails.py); removed when the job ends."""
+        return f"previews/{job.id}-{job.attempts}.png"
+
     # -- internals ----------------------------------------------------------
     def _prefer(self, tx: Any, prefer: str, passes: int) -> tuple[str, str]:
         """(id, tenant) of the queued job `claim` takes for LoRA set `prefer` (loras.pick), the jobs before it in the
@@ -297,15 +361,29 @@ class JobStore:
                        tuple(ahead))
         return rows[i][0], rows[i][1]
 
-    def _fenced(self, job: Job, assignments: str, args: tuple) -> bool:
+    def _fenced(self, job: Job, assignments: str, args: tuple, event: str | None = None) -> bool:
+        """The write, if the job is still this attempt's and in progress; with `event`, the job's end, whose
+        webhook deliveries are written in the same transaction."""
         with self.db.transaction(exclusive=False) as tx:
             n = tx.execute(f"UPDATE jobs SET {assignments} WHERE id = ? AND owner = ? AND attempts = ? "
                            "AND status = 'in_progress'", (*args, job.id, self.owner, job.attempts))
+            if n == 1 and event is not None:
+                self._ended(tx, job.tenant, job.id, event)
         return n == 1
+
+    def _ended(self, tx: Any, tenant: str, job_id: str, status: str) -> None:
+        if self.events is not None:
+            self.events.job_ended(tx, tenant, job_id, f"video.{status}")
 
     def _drop_images(self, job: Job | None) -> None:
         for key in job.images if job else []:
             self.storage.delete(key)
+
+
+def derived_keys(video: str) -> tuple[str, str]:
+    """The keys of a video's thumbnail (WebP) and spritesheet (JPEG), beside it (runtime/serve/thumbnails.py)."""
+    stem = video.rsplit(".", 1)[0]
+    return f"{stem}.thumbnail.webp", f"{stem}.spritesheet.jpg"
 
 
 def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None = None,

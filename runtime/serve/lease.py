@@ -58,7 +58,8 @@ class Lease:
             try:
                 if not self._heartbeat() and not self._done.is_set():  # (ended meanwhile: nothing was lost)
                     self.lost = True
-                    log.error("the running job was taken over by another replica (its lease ran out)")
+                    log.warning("the running job is no longer this replica's: a client cancelled or deleted it, or "
+                                "(its lease having run out) another replica took it over")
                     return
             except Exception as e:  # noqa: BLE001  (the database is away: the lease may run out, keep trying)
                 log.warning("heartbeat failed: %s", e)

@@ -65,9 +65,10 @@ def make_metrics(store: JobStore) -> Metrics:
     for status in ("queued", "in_progress", "completed", "failed"):
         jobs.labels(status).set_function(lambda s=status: count(s))
     reg.register(Tenants())
-    replica = Counter("wan_aot_replica_jobs", "jobs this replica ran, by outcome (lost: taken over by another)",
+    replica = Counter("wan_aot_replica_jobs", "jobs this replica ran, by outcome (lost: taken over by another; "
+                      "cancelled: a client cancelled or deleted it while it ran, and it stopped)",
                       ["outcome"], registry=reg)
-    for outcome in ("completed", "failed", "lost"):
+    for outcome in ("completed", "failed", "lost", "cancelled"):
         replica.labels(outcome)
     buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
     return Metrics(

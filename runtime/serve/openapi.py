@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schema import BY_NAME, FILE_FIELDS, Offer, body_schema
+from .schema import BY_NAME, FILE_FIELDS, NOT_BOTH_STEP_COUNTS, Offer, body_schema
 
 
 class _Strict(BaseModel):
@@ -51,6 +51,8 @@ class Video(_Strict):
     seconds: str = Field(description="the video's duration: its frames at the request's fps")
     prompt: str
     error: VideoError | None
+    remixed_from_video_id: str | None = Field(description="the video this one was made from (remix, edits and "
+                                                          "extensions of a completed video)")
 
 
 class VideoList(_Strict):
@@ -144,7 +146,8 @@ _WHY = {400: "a field, parameter or body the API does not take (`param` names it
              "a cross-origin Origin, or a malformed request",
         401: "missing or wrong API key", 404: "no such video (or another tenant's)",
         408: "the request's head or body did not arrive in time (--header-timeout, --body-timeout)",
-        409: "the video is not in a state for this", 413: "the body is larger than the server takes (--max-body-mb)",
+        409: "the video (or its source) is not in a state for this", 413: "the body is larger than the server takes "
+                                                                          "(--max-body-mb)",
         415: "a body neither JSON nor multipart/form-data", 416: "a Range outside the video",
         429: "the queue is full", 431: "the request's head is too large",
         503: "the model is still loading, the server is draining, or it is at a limit (--max-connections, "
@@ -175,8 +178,53 @@ def create_request(offer: Offer) -> dict[str, Any]:
                                           "multipart/form-data": {"schema": form, "encoding": images}}}
 
 
+def derived_request(offer: Offer, op: str) -> dict[str, Any]:
+    """The request body of a remix ("remix": JSON, as the SDK sends it), an edit ("edit") or an extension ("extend"):
+    JSON with `video` as {"id": ...} or a data URL, or a form with `video` (a file) or `video[id]`."""
+    from .derive import DEFAULT_STRENGTH, REMAKES, offered, way
+    from .schema import SECONDS, file_schema
+
+    names = offered(op, offer)
+    uploads = op == "extend" or not getattr(way(REMAKES, offer), "settings_only", True)  # else ids only
+    bodies: dict[str, Any] = {}
+    for form in (False, True) if op != "remix" else (False,):
+        props = {name: BY_NAME[name].schema(offer, form) for name in names}
+        if "strength" in props:
+            props["strength"]["default"] = DEFAULT_STRENGTH
+        if "seconds" in props and offer.kind.forcing:  # the new part's: any duration (diffusion forcing)
+            props["seconds"]["pattern"] = SECONDS
+        elif "seconds" in props:  # the new part's: a duration of the size (the source's, unless `size` says)
+            props["seconds"]["enum"] = list(dict.fromkeys(s for size in offer.sizes for s in offer.durations(size)))
+        required = ["prompt"] + (["seconds"] if op == "extend" else [])
+        schema: dict[str, Any] = {"type": "object", "properties": props, "required": required,
+                                  "additionalProperties": False, **NOT_BOTH_STEP_COUNTS}
+        if op != "remix":
+            what = "The source video: a completed video of yours" + (", or a video file" if uploads else "")
+            ref = {"type": "object", "properties": {"id": {"type": "string", "minLength": 1}}, "required": ["id"],
+                   "additionalProperties": False}
+            if form:
+                props["video[id]"] = {"type": "string", "minLength": 1, "description": "A completed video's id (the "
+                                      "SDK sends extra_body={\"video\": {\"id\": ...}} so)."}
+                if uploads:
+                    props["video"] = file_schema("video", what + " (the file).", True)
+                    schema["allOf"] = [NOT_BOTH_STEP_COUNTS, {"oneOf": [{"required": ["video"]},
+                                                                        {"required": ["video[id]"]}]}]
+                    del schema["anyOf"]
+                else:
+                    required.append("video[id]")
+            else:
+                props["video"] = {"anyOf": [ref, {"type": "string", "format": "video-data-url"}] if uploads else [ref],
+                                  "description": what + (': {"id": VIDEO_ID}, or a base64 data URL.' if uploads else
+                                                         ': {"id": VIDEO_ID}.')}
+                required.append("video")
+        bodies["multipart/form-data" if form else "application/json"] = {"schema": schema}
+    if "multipart/form-data" in bodies and uploads:
+        bodies["multipart/form-data"]["encoding"] = {"video": {"contentType": "video/*"}}
+    return {"required": True, "content": bodies}
+
+
 VIDEO_LINKS = {op: {"operationId": op, "parameters": {"video_id": "$response.body#/id"}}
-               for op in ("retrieveVideo", "downloadVideoContent", "deleteVideo")}
+               for op in ("retrieveVideo", "downloadVideoContent", "deleteVideo", "cancelVideo")}
 
 
 def finish(doc: dict[str, Any], keyed: bool) -> dict[str, Any]:

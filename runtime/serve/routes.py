@@ -2,10 +2,14 @@
 
     POST   /v1/videos              create a job (JSON or multipart form; `input_reference` = the image)
     GET    /v1/videos/{id}         the job (queued / in_progress / completed / failed, progress 0-100)
-    GET    /v1/videos/{id}/content the mp4
+    GET    /v1/videos/{id}/content the mp4; ?variant=thumbnail (a WebP: the live preview while it runs, then the first
+                                   frame) or spritesheet (a JPEG grid of frames)
     GET    /v1/videos              newest first (limit, after, order)
     GET    /v1/models              the bundle served and its shapes (size, frames, seconds)
-    DELETE /v1/videos/{id}
+    DELETE /v1/videos/{id}         remove it (a queued one never runs; a running one stops at its next step)
+    POST   /v1/videos/{id}/cancel  stop it, keeping it: failed, error code `cancelled`
+    POST   /v1/videos/{id}/remix, /v1/videos/edits, /v1/videos/extensions   jobs from a video (derive.py)
+    /v1/webhook_endpoints ...      webhook endpoints (webhooks.py)
     GET    /health  /ready  /metrics  /openapi.json
     GET    /                       the playground page (runtime/serve/ui/; off with --no-ui)
 
@@ -32,10 +36,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
-from . import access, loras
+from . import access, derive, loras, thumbnails, webhooks
 from . import openapi as oa
 from .errors import ApiError
-from .jobs import Job, JobStore, QueueFull
+from .jobs import Job, JobStore, NotCancellable, QueueFull, derived_keys
 from .metrics import method_label
 from .playground import add_playground
 from .schema import FILE_FIELDS, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
@@ -137,22 +141,12 @@ def create_app(state: State) -> FastAPI:
               responses={200: {"model": oa.Video, "description": "the job, queued", "links": oa.VIDEO_LINKS},
                          **oa.errors(400, 408, 413, 415, 429, 503)})
     async def create(request: Request) -> JSONResponse:
-        if state.draining.is_set():
-            raise ApiError(503, "the server is shutting down and takes no new jobs; retry on another instance",
-                           code="draining")
-        if not state.ready.is_set():
-            raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
-                           headers={"Retry-After": "5"})
+        _ready_for_jobs(state)
         tenant = request.state.tenant
         # A full queue is answered before the body is read or any of its media decoded: it costs nothing but this.
         await run_in_threadpool(_room, state, tenant)
         with state.uploads.take():  # the bodies read and checked at once, each up to --max-body-mb
-            try:
-                body = await read_body(request, state.settings.limits.max_body_bytes or state.offer.max_body_bytes,
-                                       state.offer.max_part_bytes)
-            except ClientDisconnect:  # the body timeout closed the connection (protocol.py), or the client left
-                raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went "
-                                    "away") from None
+            body = await _read(state, request)
             # Validation (media decoding, the schedule check) and the fsync'd insert run off the event loop.
             return await run_in_threadpool(_create, state, body, tenant)
 
@@ -178,16 +172,27 @@ def create_app(state: State) -> FastAPI:
                             headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
     @app.get("/v1/videos/{video_id}/content", operation_id="downloadVideoContent", response_class=Response,
-             summary="A completed job's mp4",
-             responses={200: {"description": "the mp4", "content": {"video/mp4": {"schema": {
-                 "type": "string", "format": "binary"}}}}, **oa.errors(400, 404, 409, 416)})
-    def content(request: Request, video_id: VideoId, variant: Literal["video"] = "video") -> Response:
+             summary="A completed job's mp4, thumbnail or spritesheet; a running job's live preview",
+             responses={200: {"description": "variant=video: the mp4; thumbnail: a WebP at the video's size (while the "
+                                             "job runs, the current estimate of its middle frame; then its first "
+                                             "frame); spritesheet: a JPEG grid of evenly spaced frames "
+                                             "(runtime/serve/thumbnails.py gives its geometry)",
+                              "content": {m: {"schema": {"type": "string", "format": "binary"}}
+                                          for m in ("video/mp4", "image/webp", "image/jpeg")}},
+                        **oa.errors(400, 404, 409, 416)})
+    def content(request: Request, video_id: VideoId,
+                variant: Annotated[Literal["video", "thumbnail", "spritesheet"], Query(
+                    description="video (the mp4), thumbnail (WebP) or spritesheet (JPEG)")] = "video") -> Response:
         job = _job(store, video_id, request.state.tenant)
+        if variant == "thumbnail" and job.status == "in_progress":
+            return _live_preview(store, job)
         if job.status != "completed":
             raise ApiError(409, f"video {video_id} is {job.status}, not completed: poll GET /v1/videos/{video_id}",
                            code="video_not_ready")
         if not job.video or not store.storage.exists(job.video):
             raise ApiError(404, f"the file of video {video_id} is gone from the video storage")
+        if variant != "video":
+            return _derived_image(store, job, variant)
         path = store.storage.local_path(job.video)
         if path is not None:
             _check_range(request, path)
@@ -196,17 +201,34 @@ def create_app(state: State) -> FastAPI:
                                  headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
 
     @app.delete("/v1/videos/{video_id}", operation_id="deleteVideo", response_model=None,
-                summary="Remove a job and its video",
-                responses={200: {"model": oa.VideoDeleted}, **oa.errors(404, 409)})
+                summary="Remove a job and its video: a queued job never runs, a running one stops at its next step "
+                        "or stage boundary (on whichever replica runs it) and stores nothing",
+                responses={200: {"model": oa.VideoDeleted}, **oa.errors(404)})
     def delete(request: Request, video_id: VideoId) -> dict[str, Any]:
-        try:
-            job = store.delete(video_id, request.state.tenant)
-        except RuntimeError:
-            raise ApiError(409, f"video {video_id} is being generated; delete it when it is done",
-                           code="video_in_progress") from None
+        job = store.delete(video_id, request.state.tenant)
         if job is None:
             raise ApiError(404, f"no video {video_id!r}")
+        if job.status == "in_progress":
+            log.info("job %s: deleted while it ran; its replica stops at the next step", video_id)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    @app.post("/v1/videos/{video_id}/cancel", operation_id="cancelVideo", response_model=None,
+              summary="Stop a queued or running job, keeping it: failed, with error code `cancelled` (a running one "
+                      "stops at its next step or stage boundary, on whichever replica runs it, and stores nothing)",
+              responses={200: {"model": oa.Video, "description": "the job, cancelled"}, **oa.errors(404, 409)})
+    def cancel(request: Request, video_id: VideoId) -> dict[str, Any]:
+        try:
+            job = store.cancel(video_id, request.state.tenant)
+        except NotCancellable as e:
+            raise ApiError(409, f"video {video_id} is {e.status} already: there is nothing to cancel",
+                           code="video_not_cancellable") from None
+        if job is None:
+            raise ApiError(404, f"no video {video_id!r}")
+        state.wake_webhooks()
+        return job.to_api()
+
+    derive_routes(app, state)
+    webhooks.add_routes(app, state)
 
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -234,12 +256,12 @@ def _answer(e: ApiError) -> JSONResponse:
 
 
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
-    """The methods the routes at this request's path take (a 405's `Allow`, RFC 9110)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        if route.matches(scope)[0] != Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return sorted(methods)
+    """The methods the routes at this request's path take (a 405's `Allow`, RFC 9110): those of a route whose path is
+    this one exactly (POST /v1/videos/edits) where there is one, not also those of a template it happens to fit
+    (/v1/videos/{video_id})."""
+    matched = [route for route in app.router.routes if route.matches(scope)[0] != Match.NONE]
+    exact = [route for route in matched if "{" not in getattr(route, "path", "{")]
+    return sorted({m for route in exact or matched for m in getattr(route, "methods", None) or set()})
 
 
 def route_of(app: FastAPI, scope: dict[str, Any]) -> str:
@@ -313,17 +335,128 @@ def _create(state: State, body: Body, tenant: str) -> JSONResponse:
     with state.decodes:  # a decoded image (or video) can take far more memory than its upload: a few at a time
         params = parse_request(body, state.offer, state.pipe,
                                state.settings.magcache.to_json() if state.settings.magcache is not None else None)
-    loras.check_tenant(params.get("lora"), _allowed_loras(state, tenant))
+    return _queue(state, params, [data for name in FILE_FIELDS for data in body.files.get(name, [])], tenant)
+
+
+def _queue(state: State, params: dict[str, Any], files: list[bytes], tenant: str) -> JSONResponse:
+    loras.check_tenant(params.get("lora"), _allowed_loras(state, tenant))  # every way in: create, remix, edits...
     try:
         job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
-                              prompt=params["prompt"], params=params,
-                              images=[data for name in FILE_FIELDS for data in body.files.get(name, [])],
+                              prompt=params["prompt"], params=params, images=files,
                               queue_size=state.settings.queue_size, tenant=tenant,
                               tenant_queue_size=state.settings.tenant_queue_size)
     except QueueFull as e:
         raise _queue_full(state, e) from None
     state.wake.set()
     return JSONResponse(job.to_api())
+
+
+async def _read(state: State, request: Request, file_fields: tuple[str, ...] = FILE_FIELDS) -> Body:
+    try:
+        return await read_body(request, state.settings.limits.max_body_bytes or state.offer.max_body_bytes,
+                               state.offer.max_part_bytes, file_fields, state.offer)
+    except ClientDisconnect:  # the body timeout closed the connection (protocol.py), or the client left
+        raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went "
+                            "away") from None
+
+
+def _ready_for_jobs(state: State) -> None:
+    if state.draining.is_set():
+        raise ApiError(503, "the server is shutting down and takes no new jobs; retry on another instance",
+                       code="draining")
+    if not state.ready.is_set():
+        raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
+                       headers={"Retry-After": "5"})
+
+
+def derive_routes(app: FastAPI, state: State) -> None:
+    """POST /v1/videos/{id}/remix, /v1/videos/edits and /v1/videos/extensions: jobs made from a video (derive.py),
+    queued as a create request is, after the same checks."""
+    store = state.store
+
+    async def derived(request: Request, op: str, path_id: str | None = None) -> JSONResponse:
+        _ready_for_jobs(state)
+        derive.check_way(op, state.offer)
+        tenant = request.state.tenant
+        await run_in_threadpool(_room, state, tenant)
+        with state.uploads.take():
+            body = await _read(state, request, () if path_id is not None else ("video",))
+            ref = derive.reference(body.fields, path_id)
+            derive.check_fields(body, op, state.offer)
+            upload = (body.files.pop("video", None) or [None])[0]
+            return await run_in_threadpool(_derive, state, store, body, tenant, op, ref, upload)
+
+    remakes, extends = (derive.way(ways, state.offer) is not None for ways in (derive.REMAKES, derive.EXTENDS))
+
+    # A route this bundle cannot serve answers 400 naming the kinds that can, and is left out of its document.
+    @app.post("/v1/videos/{video_id}/remix", operation_id="remixVideo", summary="Remake a completed video with a new "
+              "prompt (remixed_from_video_id names it)", include_in_schema=remakes,
+              openapi_extra={"requestBody": oa.derived_request(state.offer, "remix")},
+              responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
+                         **oa.errors(400, 404, 409, 413, 415, 429, 503)})
+    async def remix(request: Request, video_id: VideoId) -> JSONResponse:
+        return await derived(request, "remix", video_id)
+
+    @app.post("/v1/videos/edits", operation_id="editVideo", summary="Remake a video (an upload, or a completed one "
+              "by id) with a new prompt", include_in_schema=remakes,
+              openapi_extra={"requestBody": oa.derived_request(state.offer, "edit")},
+              responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
+                         **oa.errors(400, 404, 409, 413, 415, 429, 503)})
+    async def edit(request: Request) -> JSONResponse:
+        return await derived(request, "edit")
+
+    @app.post("/v1/videos/extensions", operation_id="extendVideo", summary="Continue a video (an upload, or a "
+              "completed one by id): the result is the video, then `seconds` more", include_in_schema=extends,
+              openapi_extra={"requestBody": oa.derived_request(state.offer, "extend")},
+              responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
+                         **oa.errors(400, 404, 409, 413, 415, 429, 503)})
+    async def extension(request: Request) -> JSONResponse:
+        return await derived(request, "extend")
+
+
+def _derive(state: State, store: JobStore, body: Body, tenant: str, op: str, ref: str | None,
+            upload: bytes | None) -> JSONResponse:
+    """A remix's, edit's or extension's job: its source (a completed video of the tenant's, or the upload), the
+    create request derive.py makes of it, checked as any, and queued with the source among its files."""
+    offer = state.offer
+    with state.decodes:
+        source = derive.load_source(store, tenant, ref, upload)
+        made, extra, added = (derive.extend if op == "extend" else derive.remake)(body, offer, source)
+        try:
+            params = parse_request(made, offer, state.pipe, state.settings.magcache.to_json()
+                                   if state.settings.magcache is not None else None,
+                                   len(source.frames) if added["derive"].get("way") == "forcing" else None)
+        except ApiError as e:  # what the source gave the job is the request's `video`
+            if e.param in ("input_reference", "last_image"):
+                e.param, e.message = "video", e.message.replace("input_reference", "the video")
+            raise
+    derive.finish(params, added, source, extra)
+    files = [data for name in FILE_FIELDS for data in made.files.get(name, [])] + [data for _, data in extra]
+    return _queue(state, params, files, tenant)
+
+
+def _live_preview(store: JobStore, job: Job) -> Response:
+    """A running job's latest preview (thumbnails.py) as a WebP at the video's size; 409 before its first step."""
+    try:
+        data = store.storage.read(store.preview_key(job))
+    except (FileNotFoundError, OSError):
+        raise ApiError(409, f"video {job.id} has no preview yet: its first denoising step has not finished (or this "
+                            "model's latents have no preview map); poll again", code="video_not_ready") from None
+    return Response(thumbnails.live(data, job.size), media_type="image/webp", headers={"Cache-Control": "no-store"})
+
+
+def _derived_image(store: JobStore, job: Job, variant: str) -> Response:
+    """A completed video's thumbnail (WebP) or spritesheet (JPEG), made from its mp4 and kept if it predates them."""
+    thumbnail_key, spritesheet_key = derived_keys(job.video)  # type: ignore[arg-type]
+    key = thumbnail_key if variant == "thumbnail" else spritesheet_key
+    if not store.storage.exists(key):
+        for k, data in zip((thumbnail_key, spritesheet_key), thumbnails.from_video(store.storage.read(job.video)),
+                           strict=True):
+            store.storage.put(k, data)
+    media = "image/webp" if variant == "thumbnail" else "image/jpeg"
+    ext = "webp" if variant == "thumbnail" else "jpg"
+    return Response(store.storage.read(key), media_type=media,
+                    headers={"Content-Disposition": f'attachment; filename="{job.id}.{variant}.{ext}"'})
 
 
 def _job(store: JobStore, video_id: str, tenant: str) -> Job:

@@ -162,16 +162,8 @@ class Field:
         if self.type == "loras":
             return lora_api.schema(offer, form, self.description)
         if self.type == "file":
-            media = self.accepts(offer)
-            if form:
-                one = {"type": "string", "format": "binary", "description": self.description}
-            else:
-                one = {"type": "string", "description": self.description + f" In JSON: a base64 data URL "
-                       f"(data:{media}/{'png' if media == 'image' else 'mp4'};base64,...) or bare base64."}
-            if self.repeat is None:
-                return one
-            return {"type": "array", "items": {k: v for k, v in one.items() if k != "description"},
-                    "maxItems": self.repeat(offer), "description": self.description}
+            return file_schema(self.accepts(offer), self.description, form,
+                               None if self.repeat is None else self.repeat(offer))
         if self.type == "numbers":  # in a form, the numbers as text, comma-separated
             lo, hi = self.bounds(offer)
             if form:
@@ -183,7 +175,9 @@ class Field:
         out: dict[str, Any] = {"type": self.type, "description": self.description}
         lo, hi = self.bounds(offer)
         low = "exclusiveMinimum" if self.exclusive_minimum else "minimum"
-        out.update({k: v for k, v in ((low, lo), ("maximum", hi), ("maxLength", self.max_length),
+        min_length = 1 if self.pattern is not None else None  # a pattern asks for a character (said twice: fuzzers)
+        out.update({k: v for k, v in ((low, lo), ("maximum", hi), ("minLength", min_length),
+                                      ("maxLength", self.max_length),
                                       ("pattern", self.pattern)) if v is not None})
         if self.enum is not None:
             out["enum"] = self.enum(offer)
@@ -231,6 +225,26 @@ class Field:
         return value
 
 
+def file_schema(media: str, description: str, form: bool, repeat: int | None = None) -> dict[str, Any]:
+    """A file field's JSON Schema: a binary part of a form, or in JSON a base64 data URL (format `image-data-url` or
+    `video-data-url`: what the file must decode to, an image Pillow reads or a video with frames, is more than a
+    pattern can say), an image also as OpenAI's {"image_url": "data:..."}; `repeat`: up to that many."""
+    if form:
+        one: dict[str, Any] = {"type": "string", "format": "binary", "description": description}
+    else:
+        url = {"type": "string", "format": f"{media}-data-url"}
+        example = f"data:{media}/{'png' if media == 'image' else 'mp4'};base64,..."
+        also = ', or {"image_url": DATA_URL}' if media == "image" else ""
+        text = f"{description} In JSON: a base64 data URL ({example}) or bare base64{also} (the server fetches no URL)."
+        one = {**url, "description": text} if media != "image" else {"anyOf": [url, {
+            "type": "object", "properties": {"image_url": url}, "required": ["image_url"],
+            "additionalProperties": False}], "description": text}
+    if repeat is None or (form and repeat == 1):  # (a form's field sent at most once is a file, not a list)
+        return one
+    return {"type": "array", "items": {k: v for k, v in one.items() if k != "description"}, "maxItems": repeat,
+            "description": description}
+
+
 _INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
 _NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
@@ -264,13 +278,18 @@ def _bound(b: Bound, offer: Offer) -> Any:
     return b(offer) if callable(b) else b
 
 
+# A character that is not white space as Python's str.isspace() (what check_prompt strips) says, spelled out: `\S` means
+# other sets in JSON Schema's regular expressions (ECMA-262: not \x1c-\x1f and \x85, but \ufeff) and in Python's.
+NOT_BLANK = r"[^\t\n\v\f\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+
+
 def _two_experts(offer: Offer) -> bool:
     return offer.kind.experts > 1
 
 
 FIELDS: tuple[Field, ...] = (
     Field("prompt", "string", "What the video shows.", param="prompt", required=True,
-          max_length=MAX_PROMPT_CHARS, pattern=r"\S", mismatch="prompt is required (a non-empty string)"),
+          max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK, mismatch="prompt is required (a non-empty string)"),
     Field("negative_prompt", "string", "What the video should not show.", param="negative_prompt",
           max_length=MAX_PROMPT_CHARS, default=lambda o: ""),
     Field("model", "string", "The bundle served here, by its directory name or its bundle_id (GET /v1/models).",
@@ -320,7 +339,8 @@ FIELDS: tuple[Field, ...] = (
           offered=lambda o: o.kind.animate, accepts=lambda o: "video",
           refusal=lambda o: f"mask_video is for Wan-Animate; this bundle is {o.kind.title}"),
     Field("prev_segment_frames", "integer", "Wan-Animate: the frames each segment takes from the one before.",
-          param="prev_segment_frames", enum=lambda o: list(animate.PREV_FRAMES), default=lambda o: 1,
+          param="prev_segment_frames", default=lambda o: 1,  # those a segment of the bundle's frames can take
+          enum=lambda o: [p for p in animate.PREV_FRAMES if any(n >= 2 * p + 1 for _, n in o.shapes)],
           offered=lambda o: o.kind.animate, mismatch="prev_segment_frames must be one of {choices}, got {value!r}",
           refusal=lambda o: f"prev_segment_frames is for Wan-Animate; this bundle is {o.kind.title}"),
     Field("overlap_history", "integer", "Diffusion forcing: the frames each segment takes from the one before.",
@@ -387,22 +407,25 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
         required += ["input_reference"]
     if offer.kind.animate:
         required += ["pose_video", "face_video"]
-    schema = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields}, "required": required,
-              "additionalProperties": False,
-              # sigmas set the step count: a request gives one or the other
-              "not": {"required": ["sigmas", "num_inference_steps"]}}
+    schema: dict[str, Any] = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields},
+                              "required": required, "additionalProperties": False}
+    # The rules between fields, as alternatives (anyOf, all of them holding: allOf) rather than not / if-then-else,
+    # which fuzzers' generators work around by validating what they drew (schemathesis cannot validate file parts).
+    rules = [NOT_BOTH_STEP_COUNTS]  # sigmas set the step count: a request gives one or the other
     if offer.kind.forcing:  # any duration up to the server's limit, checked against the segment plan at once
         schema["properties"]["seconds"]["pattern"] = SECONDS
     elif "seconds" in schema["properties"]:
-        schema.update(_seconds_schema(offer, schema["properties"]["seconds"]))
+        rules.append(_seconds_schema(offer, schema["properties"]["seconds"]))
     if offer.kind.animate:  # replace takes a background and a mask video, animate neither
-        replace = {"properties": {"mode": {"const": "replace"}}, "required": ["mode"]}
-        schema["if"], schema["then"] = replace, {"required": ["background_video", "mask_video"]}
-        schema["else"] = {"not": {"anyOf": [{"required": ["background_video"]}, {"required": ["mask_video"]}]}}
+        rules.append({"anyOf": [
+            {"properties": {"mode": {"const": "animate"}, "background_video": False, "mask_video": False}},
+            {"properties": {"mode": {"const": "replace"}}, "required": ["mode", "background_video", "mask_video"]}]})
+    schema["allOf"] = [r for r in rules if r]
     return schema
 
 
 SECONDS = r"^[0-9]{1,6}(\.[0-9]{1,6})?$"  # a diffusion forcing bundle's durations: a decimal number of seconds
+NOT_BOTH_STEP_COUNTS = {"anyOf": [{"properties": {"sigmas": False}}, {"properties": {"num_inference_steps": False}}]}
 
 
 def _seconds_schema(offer: Offer, seconds: dict[str, Any]) -> dict[str, Any]:
@@ -438,9 +461,11 @@ MEDIA_ROLES = {"input_reference": "image", "last_image": "last_image", "mask": "
 VIDEO_ROLES = ("video", "mask", "pose_video", "face_video", "background_video", "mask_video")
 
 
-def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None) -> dict[str, Any]:
+def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None,
+                  source_frames: int | None = None) -> dict[str, Any]:
     """The job's params from a create request, checked as the CLI checks its flags; an ApiError(400) naming the
-    field otherwise."""
+    field otherwise. `source_frames`: a diffusion forcing extension's source video's frames (derive.py), which its
+    segment plan starts from."""
     for name in [*body.fields, *body.files]:
         f = BY_NAME.get(name)
         if f is None:
@@ -521,7 +546,7 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
             lay = forcing.layout(pipe, params["size"], None, params["frames"], params.get("overlap_history"),
                                  params.get("ar_step") or 0, params.get("causal_block_size"),
                                  params.get("addnoise_condition") or 0, len(body.files.get("input_reference", []))
-                                 + len(body.files.get("last_image", [])))
+                                 + len(body.files.get("last_image", [])), source_frames)
         except forcing.InputError as e:
             field = "seconds" if e.field == "num_frames" else e.field
             raise ApiError(400, str(e).replace("num_frames", "seconds"), field) from None
@@ -529,10 +554,6 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
         if rows > offer.max_steps:
             raise ApiError(400, f"{len(lay.plan.segments)} segments of {s.steps} steps are {rows} DiT steps, more than "
                                 f"this server runs ({offer.max_steps}): fewer seconds or fewer steps", "seconds")
-    if offer.video_to_video and "input_reference" in body.files:
-        if samplers.start_step(s.steps, params["strength"] or 0.8) >= s.steps:
-            raise ApiError(400, f"strength {params['strength'] or 0.8:g} of {s.steps} steps runs no step: raise the "
-                                "strength or num_inference_steps", "strength")
     return params
 
 
@@ -670,6 +691,21 @@ def decode_data_url(name: str, value: str) -> bytes:
                        name) from None
 
 
+def decode_file(name: str, value: Any, image: bool) -> bytes:
+    """A file field's value in JSON: a data URL string, or (an image) OpenAI's {"image_url": "data:..."}. The server
+    fetches nothing: any other URL is a 400."""
+    if image and isinstance(value, dict) and set(value) == {"image_url"} and isinstance(value["image_url"], str):
+        url = value["image_url"]
+        if not url.startswith("data:"):
+            raise ApiError(400, f"{name}.image_url must be a data URL (data:image/png;base64,...): the server fetches "
+                                "nothing, send the image's bytes", name)
+        return decode_data_url(name, url)
+    if not isinstance(value, str):
+        shape = ' or {"image_url": "data:..."}' if image else ""
+        raise ApiError(400, f"{name} must be a base64 data URL string{shape}", name)
+    return decode_data_url(name, value)
+
+
 async def read_limited(request: Any, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     """The body, refusing more than `max_bytes` as it streams in (chunked bodies have no Content-Length)."""
     chunks, total = [], 0
@@ -699,12 +735,19 @@ def _check_text(fields: dict[str, Any]) -> None:
                                     "such as \\ud800): send UTF-8 text", name) from None
 
 
-async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_bytes: int = MAX_IMAGE_BYTES) -> Body:
-    """A JSON or multipart/form-data body of at most `max_bytes` (a form's parts of at most `max_part_bytes`); any
-    other media type is a 415."""
+async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_bytes: int = MAX_IMAGE_BYTES,
+                    file_fields: tuple[str, ...] = FILE_FIELDS, offer: Offer | None = None) -> Body:
+    """A JSON or multipart/form-data body of at most `max_bytes` (a form's parts of at most `max_part_bytes`), whose
+    files are the fields `file_fields` (the create request's by default; in JSON, data URLs, or for an image
+    {"image_url": "data:..."}, also sent in a form as the field `NAME[image_url]`; a JSON object for another field,
+    such as an edit's {"video": {"id": ...}}, stays a field); any other media type is a 415."""
     ctype = request.headers.get("content-type", "")
     media = ctype.split(";", 1)[0].strip().lower()
     files: dict[str, list[bytes]] = {}
+
+    def image(name: str) -> bool:
+        return name in BY_NAME and (offer is None or BY_NAME[name].accepts(offer) == "image")
+
     if media == "application/json":
         try:
             fields = json.loads(await read_limited(request, max_bytes))
@@ -713,15 +756,14 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_byte
         if not isinstance(fields, dict):
             raise ApiError(400, "the body must be a JSON object")
         _check_text(fields)
-        for name in FILE_FIELDS:
+        for name in file_fields:
             if name in fields:
+                if name not in BY_NAME and isinstance(fields[name], dict):  # a reference to a video ({"id": ...})
+                    continue
                 value = fields.pop(name)
-                repeated = BY_NAME[name].repeat is not None
+                repeated = name in BY_NAME and BY_NAME[name].repeat is not None
                 items = value if repeated and isinstance(value, list) else [value]
-                if not all(isinstance(v, str) for v in items):
-                    raise ApiError(400, f"{name} must be a base64 data URL string{' or a list of them' * repeated}",
-                                   name)
-                files[name] = [decode_data_url(name, v) for v in items]
+                files[name] = [decode_file(name, v, image(name)) for v in items]
         return Body(fields, files, form=False)
     if media == "multipart/form-data":
         if request.headers.get("content-length") is None:  # chunked: bound it before the form parser reads it
@@ -735,12 +777,15 @@ async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES, max_part_byte
             if name.endswith("[]") and BY_NAME.get(name[:-2], FIELDS[0]).type == "numbers":
                 name = name[:-2]  # how the openai SDK sends a list in a form: one `sigmas[]` part an item
             if hasattr(value, "read"):  # an uploaded file
-                if name not in FILE_FIELDS:
-                    raise ApiError(400, f"unexpected file field {name!r} (images and videos go in input_reference)",
-                                   name)
+                if name not in file_fields:
+                    where = " or ".join(file_fields) if file_fields != FILE_FIELDS else "input_reference"
+                    raise ApiError(400, f"unexpected file field {name!r} (images and videos go in {where})", name)
                 files.setdefault(name, []).append(await value.read())
-            elif name in FILE_FIELDS:
+            elif name in file_fields:
                 files.setdefault(name, []).append(decode_data_url(name, value))
+            elif name.endswith("[image_url]") and name[:-11] in file_fields and image(name[:-11]):
+                # the SDK's form for extra_body={"input_reference": {"image_url": ...}}
+                files.setdefault(name[:-11], []).append(decode_file(name[:-11], {"image_url": value}, True))
             elif name in fields and name in BY_NAME and BY_NAME[name].type == "numbers":  # a list sent as parts
                 fields[name] = f"{fields[name]},{value}"
             elif name in fields:

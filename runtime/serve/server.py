@@ -36,6 +36,7 @@ from .protocol import protocol
 from .routes import create_app
 from .schema import MAX_STEPS, Offer
 from .state import Settings, State
+from .webhooks import Events, Sender
 from .worker import load_and_compile, worker
 
 log = logging.getLogger("runtime")
@@ -91,8 +92,11 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     for job in store.expire_dead_local_owners():
         log.warning("job %s was running when the server stopped: %s", job.id,
                     "queued again" if job.attempts < store.max_attempts else "failed, out of attempts")
+    store.events = Events(settings.webhooks, store.db.now)  # a job's end is its tenant's webhooks' deliveries
     state = State(settings=settings, store=store, offer=offer, broadcast=broadcast)
     state.metrics = make_metrics(store)
+    sender = Sender(store.db, settings.webhooks, state.metrics.registry).start()  # any replica sends them
+    state.wake_webhooks = sender.wake
     app = create_app(state)
 
     class Server(uvicorn.Server):
@@ -143,6 +147,7 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
         worker_thread.join(timeout=5)
     if on_exit is not None:
         on_exit()
+    sender.stop()
     store.close()
     code = LOAD_FAILED if state.load_error else 0
     if loader_thread.is_alive():  # stopped while loading: leave at once, not with compiles running into shutdown

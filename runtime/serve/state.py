@@ -16,6 +16,7 @@ from .limits import Limits, Slots
 from .loras import AFFINITY_MAX, MAX_LORAS
 from .schema import DEFAULT_MAX_SECONDS, MAX_STEPS, Offer
 from .tenants import Keys
+from .webhooks import Config as WebhookConfig
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Settings:
     max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing bundles: the longest video a job may ask for
     names: Names = field(default_factory=Names)  # the Host names requests may use (access.py); default: any
     limits: Limits = field(default_factory=Limits)  # timeouts and sizes (limits.py)
+    webhooks: WebhookConfig = field(default_factory=WebhookConfig)  # --webhook-url/-secret/-allow (webhooks.py)
     loras: tuple[Any, ...] = ()  # the LoRA adapters offered per request (--lora-dir: runtime.lora.Adapter each)
     max_loras: int = MAX_LORAS  # the most adapters one request may name
     lora_affinity_max: int = AFFINITY_MAX  # how many others a queued job may be passed over by for a LoRA set's sake
@@ -58,6 +60,7 @@ class State:
     job_seconds: list[float] = field(default_factory=list)  # the last few jobs' durations (for Retry-After)
     broadcast: Callable[[dict[str, Any] | None], None] | None = None  # multi-host: send a job to the others
     on_stall: Callable[[], Any] = lambda: os._exit(3)  # a stalled job: exit non-zero, the supervisor restarts us
+    wake_webhooks: Callable[[], None] = lambda: None  # a job ended here: its webhook deliveries are due (webhooks.py)
     uploads: Slots = None  # type: ignore[assignment]  # create requests reading or checking a body at once
     decodes: threading.BoundedSemaphore = None  # type: ignore[assignment]  # requests decoding media at once
     lora_key: str = "[]"  # the per-request LoRA set this replica's weights hold (loras.set_key; "[]": none)

@@ -1,7 +1,8 @@
 """Where videos and uploaded images live: a directory (the jobs directory, which every replica may mount: NFS,
 GCS FUSE) or an object store URL (`--videos-url s3://bucket/prefix`, `gs://...`, through fsspec).
 
-Keys are relative paths ("videos/<id>-<attempt>.mp4", "images/<id>-<i>.img"). A write is never seen half done:
+Keys are relative paths ("videos/<id>-<attempt>.mp4" and the thumbnail and spritesheet beside it, "images/<id>-<i>.img",
+"previews/<id>-<attempt>.png"). A write is never seen half done:
 a directory gets a temporary name then a rename; an object store gets the whole object in one put.
 """
 
@@ -18,6 +19,7 @@ from ..errors import UserError
 from ..files import private_dir
 
 CHUNK = 1 << 20
+SUBDIRS = ("videos", "images", "previews")
 
 
 class Storage(Protocol):
@@ -42,7 +44,7 @@ class Directory:
 
     def __init__(self, root: Path) -> None:
         self.root = private_dir(Path(root))
-        for sub in ("videos", "images"):
+        for sub in SUBDIRS:
             private_dir(self.root / sub)
 
     def _path(self, key: str) -> Path:
@@ -83,7 +85,7 @@ class Directory:
 
     def remove_partials(self) -> None:
         """Temporary files left by a process that died mid-write."""
-        for sub in ("videos", "images"):
+        for sub in SUBDIRS:
             for tmp in (self.root / sub).glob(".*.partial*"):
                 tmp.unlink(missing_ok=True)
 

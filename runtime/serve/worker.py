@@ -1,5 +1,11 @@
 """The worker: one thread that claims queued jobs and runs them on the devices, one at a time (the accelerator is
-the bottleneck), under a heartbeated lease; and the loader that makes the bundle ready first."""
+the bottleneck), under a heartbeated lease; and the loader that makes the bundle ready first.
+
+While a job runs, every denoising step writes its progress (fenced, runtime/serve/jobs.py) and hands the step's
+preview to a writer thread (runtime/serve/thumbnails.py); every step and stage boundary asks whether a client has
+cancelled or deleted the job, and if so the run stops there (`Cancelled`), storing nothing, and the worker takes the
+next job. On a multi-host slice process 0 decides and every process learns it at the same boundary (follower.agree).
+A completed job also gets its thumbnail and spritesheet, made from the frames in memory."""
 
 from __future__ import annotations
 
@@ -11,28 +17,37 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from .jobs import Job, JobStore, Lost
+from . import derive, thumbnails
+from .jobs import Job, JobStore, Lost, derived_keys
 from .lease import Lease
 from .state import State
 
 log = logging.getLogger("runtime")
 
 
+class Cancelled(Exception):
+    """A client cancelled or deleted the running job: the run stops at the boundary it reached and stores nothing."""
+
+
 def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: Path | None,
             on_progress: Callable[[int], None] = lambda p: None,
             on_step_time: Callable[[float], None] = lambda s: None,
             on_stage: Callable[[str], None] = lambda stage: None,
-            on_lora: Callable[[dict[str, Any] | None], None] = lambda switched: None) -> None:
-    """Generate one job's video (every process of a multi-host job runs this; only process 0 writes).
-    `on_progress` follows the denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode"),
-    `on_lora` the job's LoRA set taken up (what the switch did, or None where the weights held it already)."""
+            on_preview: Callable[[Any], None] = lambda rgb: None,
+            check: Callable[[], None] = lambda: None,
+            on_lora: Callable[[dict[str, Any] | None], None] = lambda switched: None) -> Any:
+    """Generate one job's video (every process of a multi-host job runs this, with the same callbacks called at the
+    same points; only process 0 writes) and return its frames (F, H, W, 3) in [0, 1]. `on_progress` follows the
+    denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode"), `on_preview` gets each step's
+    estimate of the middle frame (Pipeline.denoise); `check` runs after every step and stage and raises to stop;
+    `on_lora` gets the job's LoRA set taken up (what the switch did, or None where the weights held it already)."""
     from ..magcache import MagCache
     from ..video import write_video
     from .loras import specs
 
     # the server's own --lora adapters, then the job's: switched to only where the weights hold another set
     on_lora(pipe.use_loras([*pipe.base_loras, *specs(params.get("lora"))]))
-    media = media_of(params, image_bytes)
+    media = derive.sources(params, media_of(params, image_bytes))
     s = pipe.settings(params["seed"], params["steps"], params["guidance"], params["flow_shift"], params["guidance_2"],
                       params.get("sampler"), params.get("sigmas"))
     magcache = MagCache(**params["magcache"]) if params.get("magcache") else None
@@ -43,20 +58,29 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         on_step_time(now - last[0])
         last[0] = now
         on_progress(min(99, int(100 * done / total)))
+        check()
+
+    def stage_done(stage: str) -> None:
+        on_stage(stage)
+        check()
 
     if pipe.kind.forcing:  # any length, in overlapping segments: runtime/forcing.py
+        source = media.pop("_source", None)  # an extension's (derive.py's "forcing" way): the video continued
+        check()
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
-                               last_image=media.get("last_image"), num_frames=params["frames"],
+                               last_image=media.get("last_image"), video=source, num_frames=params["frames"],
                                overlap_history=params.get("overlap_history"), ar_step=params.get("ar_step") or 0,
                                causal_block_size=params.get("causal_block_size"),
                                addnoise_condition=params.get("addnoise_condition") or 0, fps=params["fps"],
                                seed=s.seed, steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift,
                                sampler=s.sampler, sigmas=s.sigmas, progress=False, size=params.get("size"),
-                               on_step=steps_done)
-        on_stage("decode")
+                               on_step=steps_done, on_preview=on_preview)[0]
+        if source is not None:  # the source, then the new part after the frames it re-decodes (those shared)
+            frames = derive.forcing_joined(params, len(source), frames)
+        stage_done("decode")
         if video is not None:
-            write_video(frames[0], video, fps=params["fps"])
-        return
+            write_video(frames, video, fps=params["fps"])
+        return frames
     if pipe.kind.animate:  # every segment: runtime/animate.py
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
                                pose_video=media.get("pose_video"), face_video=media.get("face_video"),
@@ -65,36 +89,42 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                                prev_segment_frames=params.get("prev_segment_frames") or 1, seed=s.seed, steps=s.steps,
                                guidance=s.guidance, flow_shift=s.flow_shift, sampler=s.sampler, sigmas=s.sigmas,
                                progress=False, magcache=magcache, size=params.get("size"), frames=params.get("frames"),
-                               on_step=steps_done)
-        on_stage("decode")
+                               on_step=steps_done, on_preview=on_preview)
+        stage_done("decode")
         if video is not None:
             write_video(frames[0], video, fps=params["fps"])
-        return
+        return frames[0]
+    remake = media.pop("remake", None)  # remix and edits: the source video, noised (derive.py)
     run = {"conditioning_scale": params.get("conditioning_scale"),
-           "strength": params.get("strength") if media.get("video") is not None and pipe.manifest.video_to_video
-           else None}
+           "strength": params.get("strength") if (media.get("video") is not None and pipe.manifest.video_to_video)
+           or remake is not None else None}
     # Jobs queued before bundles had several shapes carry their size but no frames: the default shape's.
     shape = {"size": params.get("size"), "frames": params.get("frames")}
+    check()
     embeds = pipe.encode(params["prompt"], params["negative_prompt"], media.get("image"), media.get("last_image"),
                          **shape, **{k: media[k] for k in ("video", "mask", "reference_images") if k in media})
-    on_stage("encode")
+    if remake is not None:
+        embeds["video_latents"] = derive.video_latents(pipe, remake, shape["size"], shape["frames"])
+    stage_done("encode")
     steps = pipe.steps_run(embeds, s, run["strength"])  # what progress counts: video-to-video runs the last ones
     last[0] = time.perf_counter()
     latents = pipe.denoise(embeds, s.seed, s.steps, s.guidance, s.flow_shift, progress=False,
-                           on_step=lambda i: steps_done(i + 1, steps),
+                           on_step=lambda i: steps_done(i + 1, steps), on_preview=on_preview,
                            guidance_2=s.guidance_2, magcache=magcache, sampler=s.sampler, sigmas=s.sigmas,
                            **{k: v for k, v in run.items() if v is not None}, **shape)
-    on_stage("denoise")
-    frames = pipe.decode(latents)
-    on_stage("decode")
+    stage_done("denoise")
+    frames = derive.joined(params, media, pipe.decode(latents)[0])  # extensions: the source, then the new frames
+    stage_done("decode")
     if video is not None:
-        write_video(frames[0], video, fps=params["fps"])
+        write_video(frames, video, fps=params["fps"])
+    return frames
 
 
 def media_of(params: dict[str, Any], files: list[bytes]) -> dict[str, Any]:
     """A job's files by what they are in the run (params["media"] names them in order, schema.MEDIA_ROLES): `image`
-    and `last_image` (PIL images), `video` and `mask` (PIL frames), `reference_images` (a list). Jobs queued before
-    videos name none: their files are the first image, then the last."""
+    and `last_image` (PIL images), `video` and `mask` (PIL frames), `reference_images` (a list); a derived job's
+    source video (derive.SOURCE_ROLES, PIL frames). Jobs queued before videos name none: their files are the first
+    image, then the last."""
     from PIL import Image
 
     from .schema import VIDEO_ROLES, read_video_bytes
@@ -102,7 +132,7 @@ def media_of(params: dict[str, Any], files: list[bytes]) -> dict[str, Any]:
     roles = params.get("media") or ["image", "last_image"][: len(files)]
     out: dict[str, Any] = {}
     for role, data in zip(roles, files, strict=True):
-        if role in VIDEO_ROLES:
+        if role in VIDEO_ROLES or role in derive.SOURCE_ROLES:
             out[role] = read_video_bytes(data, role)
         elif role == "reference_image":
             out.setdefault("reference_images", []).append(Image.open(io.BytesIO(data)))
@@ -134,7 +164,8 @@ def worker(state: State) -> None:
 
 def _run(state: State, job: Job) -> None:
     """Run a claimed job under its lease, then record the outcome, fenced: a replica that lost the job (its lease
-    ran out while it was stopped or cut off, and another replica took it over) records nothing. The outcome is
+    ran out while it was stopped or cut off, and another replica took it over) records nothing, nor does one whose job
+    a client cancelled or deleted (it stops at the next step or stage boundary instead of finishing). The outcome is
     recorded after the lease has ended (no heartbeat in flight): a heartbeat landing after the job is completed or
     failed finds it no longer in progress and would read as a takeover."""
     store, m = state.store, state.metrics
@@ -153,41 +184,94 @@ def _run(state: State, job: Job) -> None:
 
     t0 = time.perf_counter()
     failure: tuple[str, str] | None = None
+    cancelled = False
+    stop: list[bool | None] = [None]  # whether a client cancelled the job: None until a refused write asks
+    steps = [0]
+    agree = _agree if state.broadcast is not None else None  # a multi-host slice stops as one
+    writer = thumbnails.PreviewWriter(store.storage, store.preview_key(job))
     with Lease(lambda: store.heartbeat(job), store.lease, state.settings.stall, state.on_stall) as lease:
+
+        def refused() -> None:
+            """A fenced write found the job no longer ours: a client cancelled or deleted it, or (its lease having
+            run out) another replica took it over, in which case the run goes on (the other processes of a slice are
+            in the same program) and its result is dropped."""
+            if stop[0] is None:
+                stop[0] = store.cancelled(job)
+            if not stop[0]:
+                lease.lost = True
 
         def progress(p: int) -> None:
             lease.progress()
-            if not lease.lost:
+            if not lease.lost and not stop[0]:
                 try:
                     store.set_progress(job, p)
-                except Lost:  # keep running: the other processes of a slice are in the same program
-                    lease.lost = True
+                except Lost:
+                    refused()
+
+        def stage(name: str) -> None:
+            lease.progress()
+            if not lease.lost and not stop[0] and not store.heartbeat(job):
+                refused()
+
+        def check() -> None:
+            if lease.lost and stop[0] is None:  # the lease's heartbeat was refused first: why?
+                refused()
+            flag = bool(stop[0])
+            if agree is not None:
+                flag = agree(flag)
+            if flag:
+                raise Cancelled
+
+        def step_time(seconds: float) -> None:
+            steps[0] += 1
+            if m:
+                m.step_seconds.observe(seconds)
 
         try:
+            if store.cancelled(job):  # deleted or cancelled between the claim and now (no other process involved yet)
+                raise Cancelled
             images = [store.storage.read(key) for key in job.images]
             if state.broadcast is not None:
                 state.broadcast({"params": job.params, "images": images})
             key = store.video_key(job)
             with store.storage.writer(key, ".mp4") as video:
-                run_job(state.pipe, job.params, images, video, on_progress=progress,
-                        on_step_time=m.step_seconds.observe if m else (lambda s: None),
-                        on_stage=lambda stage: lease.progress(), on_lora=lora_taken)
+                frames = run_job(state.pipe, job.params, images, video, on_progress=progress, on_step_time=step_time,
+                                 on_stage=stage, on_preview=writer.offer, check=check, on_lora=lora_taken)
+            also = derived_keys(key)
+            for derived, data in zip(also, thumbnails.derive(frames), strict=True):
+                store.storage.put(derived, data)
+        except Cancelled:
+            cancelled = True
         except UserError as e:
             failure = ("generation_failed", str(e))
             log.warning("job %s: failed: %s", job.id, e)
         except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
-            log.exception("job %s: internal error", job.id)
-            failure = ("internal_error", f"{type(e).__name__}: {e}")
-    if failure is not None:
+            if store.cancelled(job):  # its images went with it, say
+                cancelled = True
+            else:
+                log.exception("job %s: internal error", job.id)
+                failure = ("internal_error", f"{type(e).__name__}: {e}")
+    writer.close()
+    if cancelled:
+        outcome = "cancelled"
+        store.storage.delete(store.preview_key(job))
+        log.info("job %s: cancelled by a client; stopped after %d denoising steps, nothing stored", job.id, steps[0])
+    elif failure is not None:
         outcome = _fail(store, job, *failure)
     else:
         try:
-            store.complete(job, key)
+            store.complete(job, key, also)
             outcome = "completed"
             log.info("job %s: completed in %.1f s", job.id, time.perf_counter() - t0)
         except Lost:
-            outcome = "lost"
-            log.warning("job %s: taken over by another replica while this one ran it; its result is dropped", job.id)
+            if store.cancelled(job):  # while the video was written: nothing stays
+                outcome = "cancelled"
+                log.info("job %s: cancelled by a client as it ended; nothing stored", job.id)
+            else:
+                outcome = "lost"
+                log.warning("job %s: taken over by another replica while this one ran it; its result is dropped",
+                            job.id)
+    state.wake_webhooks()  # its end's deliveries are due
     took = time.perf_counter() - t0
     state.job_seconds[:] = [*state.job_seconds[-9:], took]
     if m:
@@ -200,8 +284,16 @@ def _fail(store: JobStore, job: Job, code: str, message: str) -> str:
         store.fail(job, code, message)
         return "failed"
     except Lost:
+        if store.cancelled(job):
+            return "cancelled"
         log.warning("job %s: taken over by another replica; its failure is not recorded", job.id)
         return "lost"
+
+
+def _agree(stop: bool) -> bool:
+    from .follower import agree
+
+    return agree(stop)
 
 
 def load_and_compile(state: State, loader: Callable[[], Any]) -> None:

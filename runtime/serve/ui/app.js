@@ -1,5 +1,5 @@
 // The playground: one page on the server's public API (/v1/models, /v1/videos, /v1/videos/{id},
-// /v1/videos/{id}/content), as any client would use it. Everything a user or the server wrote is shown with
+// /v1/videos/{id}/content, its live preview ?variant=thumbnail), as any client would use it. Everything a user or the server wrote is shown with
 // textContent, never as HTML.
 "use strict";
 
@@ -250,7 +250,42 @@ function updateItem(li, job) {
   bar.value = job.progress;
   bar.hidden = job.status === "completed" || job.status === "failed";
   li.querySelector(".error").textContent = job.status === "failed" && job.error ? job.error.message : "";
+  // A running job's live preview: the server's current estimate of its middle frame (variant=thumbnail), stored
+  // from its first step on, so it is there once progress shows.
+  if (job.status === "in_progress" && job.progress >= 1) showPreview(li, job);
+  else if (job.status !== "in_progress") dropPreview(li);
   if (job.status === "completed" && !li.querySelector("video")) showVideo(li, job);
+}
+
+async function showPreview(li, job) {
+  if (li.dataset.previewing) return; // one request at a time per job
+  li.dataset.previewing = "1";
+  try {
+    const path = `/v1/videos/${encodeURIComponent(job.id)}/content?variant=thumbnail`;
+    const blob = await (await api(path)).blob();
+    let img = li.querySelector("img.preview");
+    if (!img) {
+      img = document.createElement("img");
+      img.className = "preview";
+      img.alt = "Live preview: " + job.prompt;
+      li.insertBefore(img, li.querySelector(".error"));
+    }
+    const old = img.src;
+    img.src = URL.createObjectURL(blob);
+    if (old) URL.revokeObjectURL(old);
+  } catch (_) {
+    // The job ended meanwhile (its video follows) or was cancelled: the next poll says which.
+  } finally {
+    delete li.dataset.previewing;
+  }
+}
+
+function dropPreview(li) {
+  const img = li.querySelector("img.preview");
+  if (img) {
+    URL.revokeObjectURL(img.src);
+    img.remove();
+  }
 }
 
 async function showVideo(li, job) {

@@ -1,0 +1,113 @@
+"""Every kind's API document holds: schemathesis (`--checks all`, drawing real images and videos for the files:
+tests/schemathesis_hooks.py) finds nothing in the create, remix, edit and extension operations of image-to-video,
+video-to-video, VACE, Wan-Animate and Lucy Edit servers, the operations whose documents differ from kind to kind.
+
+The app runs in this process, on uvicorn, with the kind's offer (what a bundle of that kind and shape serves, as the
+manifest gives it) and the real request checks (schema.parse_request, the media decoded, the settings' schedule check),
+but no weights and no worker: the document describes requests, and no job has to run for them to be checked (queued
+jobs stay queued; a remix of one is a 409). The text-to-video document is fuzzed whole, every route, against a live
+server (tests/test_openapi.py); each kind's jobs run in its own tests.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from .test_openapi import KIND_OPERATIONS, schemathesis_clean
+
+# name: (the offer: kind, shapes, video-to-video, reference image counts), each with 9-frame shapes
+KINDS = {
+    "i2v": ("i2v", (("48x32", 9),), False, (0,)),
+    "v2v": ("t2v", (("64x32", 9),), True, (0,)),
+    "vace": ("vace", (("64x32", 9),), False, (0, 1)),
+    "animate": ("animate", (("64x32", 9),), False, (0,)),
+    "lucy-edit": ("lucy-edit", (("64x32", 9),), False, (0,)),
+}
+
+
+@contextmanager
+def serving_offer(name: str, root: Path) -> Iterator[SimpleNamespace]:
+    """The HTTP app for a bundle of kind `name` (KINDS), on a loopback port, in this process."""
+    import uvicorn
+
+    from runtime import kinds, scheduler
+    from runtime import settings as st
+    from runtime.manifest import Defaults
+    from runtime.serve.jobs import open_store
+    from runtime.serve.metrics import make_metrics
+    from runtime.serve.routes import create_app
+    from runtime.serve.schema import Offer
+    from runtime.serve.state import Settings, State
+
+    kind_name, shapes, video_to_video, references = KINDS[name]
+    kind = kinds.get(kind_name)
+    offer = Offer(models=(f"tiny-{name}",), shapes=shapes, kind=kind, max_steps=4, video_to_video=video_to_video,
+                  reference_counts=references, defaults=Defaults(steps=4, guidance=kind.guidance, flow_shift=3.0))
+    settings = Settings(bundle=root / f"tiny-{name}", jobs_dir=root / "jobs", queue_size=100_000, max_steps=4)
+    state = State(settings=settings, store=open_store(root / "jobs"), offer=offer)
+    config = scheduler.UniPCConfig()
+    state.pipe = SimpleNamespace(settings=lambda *args: st.resolve(offer.defaults, kind, config, *args))
+    state.metrics = make_metrics(state.store)
+    state.ready.set()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", output=lambda: "")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        state.store.close()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_schemathesis_finds_nothing_in_each_kinds_document(name: str, tmp_path: Path) -> None:
+    size, frames = KINDS[name][1][0]
+    with serving_offer(name, tmp_path) as server:
+        schemathesis_clean(server, tmp_path, key=None, examples=2, size=size, frames=frames,
+                           operations=KIND_OPERATIONS, phases=("coverage", "fuzzing"))
+
+
+def test_what_a_kind_cannot_make_is_refused_and_left_out_of_its_document(tmp_path: Path) -> None:
+    """Wan-Animate neither remakes nor extends (its pose and face videos went with the source job): remix, edits and
+    extensions answer 400 naming the kinds that do, and its document leaves them out; an image-to-video bundle's has
+    them all."""
+    import base64
+    import io
+
+    import httpx
+    import numpy as np
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((32, 64, 3), 40 * i, np.uint8)) for i in range(5)]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    upload = "data:video/gif;base64," + base64.b64encode(out.getvalue()).decode()
+    derived = {"/v1/videos/{video_id}/remix", "/v1/videos/edits", "/v1/videos/extensions"}
+    with serving_offer("animate", tmp_path / "animate") as server:
+        assert not derived & httpx.get(server.url + "/openapi.json").json()["paths"].keys()
+        for path, body, message in (
+                ("/v1/videos/edits", {}, "its videos cannot be remixed or edited (the kinds that can: t2v, t2v-moe, "
+                                         "ti2v, i2v, flf2v, i2v-moe, vace, vace-moe, and text-to-video with the VAE "
+                                         "encoder)"),
+                ("/v1/videos/extensions", {"seconds": "0.5625"}, "it cannot extend a video (the kinds that extend: "
+                                                                 "ti2v, i2v, i2v-moe, vace, vace-moe)")):
+            r = httpx.post(server.url + path, json={"prompt": "a dancer", "video": upload, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "video", r.text
+            assert r.json()["error"]["message"].endswith(message), r.text
+    with serving_offer("i2v", tmp_path / "i2v") as server:
+        assert derived <= httpx.get(server.url + "/openapi.json").json()["paths"].keys()
