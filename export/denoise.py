@@ -66,7 +66,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         if variant.residual == "in":
             *extras, residual = extras
         named = dict(zip(kind.conditioning_inputs, extras, strict=True))
-        x, xprev, hist = state[0], state[1], state[2:]
+        x = state[0]
         b = x.shape[0]
         if kind.channel_condition:  # as diffusers: cat([latents, condition], dim=1).to(dtype)
             model_x = jnp.concatenate([x, named["condition"]], axis=1)

@@ -84,7 +84,7 @@ def test_block_causal_self_attention_matches_a_dense_mask(direct_limit: int) -> 
     (<= 1: full attention, as diffusers)."""
     import torch
 
-    from export.attention import BlockCausal, _CAUSAL, block_causal
+    from export.attention import _CAUSAL, BlockCausal, block_causal
 
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 2, 60, 8)).astype(np.float32) for _ in range(3))
@@ -105,7 +105,7 @@ def test_block_causal_self_attention_matches_a_dense_mask(direct_limit: int) -> 
 
 
 def _causal_call(q, k, v, n, frame_tokens: int, cfg: AttentionConfig):
-    from export.attention import BlockCausal, _CAUSAL
+    from export.attention import _CAUSAL, BlockCausal
 
     token = _CAUSAL.set(BlockCausal(frame_tokens, n))
     try:

@@ -362,3 +362,65 @@ def test_extend_is_the_extensions_hook(df) -> None:
     np.testing.assert_allclose(out[0, :12], np.stack([np.asarray(f, np.float32) / 255 for f in source]), atol=1e-6)
     with pytest.raises(forcing.InputError, match="seconds or num_frames"):
         forcing.extend(df, PROMPT, source)
+
+
+def _mp4(frames: list, path: Path) -> bytes:
+    from runtime.video import write_video
+
+    write_video(np.stack([np.asarray(f, np.float32) / 255 for f in frames]), path, fps=24)
+    return path.read_bytes()
+
+
+def test_df_extension_through_the_extensions_route(df, tmp_path: Path) -> None:
+    """POST /v1/videos/extensions on a DF bundle (derive.py's "forcing" way): `seconds` of new video after an uploaded
+    source, as forcing.extend makes it; the job's video is the source, then the new frames after the overlap_history
+    frames the run makes again (12 + 17 - 5 = 24 frames, 1 s at 24 fps). The worker's run gives each row a live
+    preview and the frames forcing.extend returns; a source shorter than overlap_history is a 400 naming video, and a
+    DF bundle's videos cannot be remade (no SDEdit start)."""
+    from runtime.serve import worker
+    from runtime.video_input import load_frames
+
+    client, state = _df_app(tmp_path, df)
+    data = _mp4([test_image(64, 32, seed=40 + i) for i in range(12)], tmp_path / "source.mp4")
+    fields = {"prompt": PROMPT, "seconds": "0.5", "overlap_history": "5", "num_inference_steps": "2"}
+    short = client.post("/v1/videos/extensions", data=fields, files={"video": ("s.mp4", _mp4(
+        [test_image(64, 32, seed=i) for i in range(3)], tmp_path / "short.mp4"), "video/mp4")})
+    assert short.status_code == 400 and short.json()["error"]["param"] == "video", short.text
+    assert "fewer than overlap_history 5" in short.json()["error"]["message"]
+    edit = client.post("/v1/videos/edits", data={"prompt": PROMPT}, files={"video": ("v.mp4", data, "video/mp4")})
+    assert edit.status_code == 400 and "cannot be remixed or edited" in edit.json()["error"]["message"], edit.text
+
+    r = client.post("/v1/videos/extensions", data=fields, files={"video": ("v.mp4", data, "video/mp4")})
+    assert r.status_code == 200, r.text
+    assert r.json()["seconds"] == "1"
+    job = state.store.claim()
+    assert job.params["frames"] == 17 and job.params["derive"] == {"op": "extend", "way": "forcing", "overlap": 5}
+    files = [state.store.storage.read(key) for key in job.images]
+    shown: list[np.ndarray] = []
+    out = worker.run_job(df, job.params, files, tmp_path / "video.mp4", on_preview=shown.append)
+    assert out.shape == (24, 32, 64, 3) and len(load_frames(tmp_path / "video.mp4")) == 24
+    source = load_frames(tmp_path / "source.mp4")
+    ref = forcing.extend(df, PROMPT, source, seconds=0.5, overlap_history=5, steps=2, progress=False)[0]
+    np.testing.assert_allclose(out[:12], ref[:12], atol=1e-6)
+    np.testing.assert_allclose(out[12:], ref[12 + 5:], atol=1e-6)
+    rows = sum(forcing.layout(df, None, None, 17, 5, video_frames=12).rows(2))
+    assert len(shown) == rows and shown[0].shape == (4, 8, 3) and shown[0].dtype == np.uint8
+
+
+def test_df_job_stops_between_steps_when_cancelled(df, tmp_path: Path) -> None:
+    """The worker's diffusion forcing run asks `check` after every row (the server's cancel raises there): a job of
+    three segments stops after the row where it was cancelled, and nothing is written."""
+    from runtime.serve import worker
+
+    params = {"prompt": PROMPT, "negative_prompt": "", "seed": 0, "steps": 2, "guidance": None, "flow_shift": None,
+              "guidance_2": None, "sampler": None, "sigmas": None, "size": "64x32", "frames": 37, "fps": 24,
+              "overlap_history": 5, "media": []}
+    progress: list[int] = []
+
+    def check() -> None:
+        if len(progress) >= 2:
+            raise worker.Cancelled
+
+    with pytest.raises(worker.Cancelled):
+        worker.run_job(df, params, [], tmp_path / "video.mp4", on_progress=progress.append, check=check)
+    assert len(progress) == 2 and not (tmp_path / "video.mp4").exists()

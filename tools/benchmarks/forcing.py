@@ -77,7 +77,7 @@ def run(a: argparse.Namespace) -> Report:
                 times[kind, name].append({"total": time.perf_counter() - t0, **parts})
             log(f"{dtype} repeat {i + 1}/{a.repeats} done")
 
-        def med(key: tuple[str, Any], part: str) -> float:
+        def med(key: tuple[str, Any], part: str, times: dict[Any, list[dict[str, float]]] = times) -> float:
             return median([t[part] for t in times[key]])
 
         one = med(("segments", 1), "total")
