@@ -376,7 +376,11 @@ def test_df_extension_through_the_extensions_route(df, tmp_path: Path) -> None:
     source, as forcing.extend makes it; the job's video is the source, then the new frames after the overlap_history
     frames the run makes again (12 + 17 - 5 = 24 frames, 1 s at 24 fps). The worker's run gives each row a live
     preview and the frames forcing.extend returns; a source shorter than overlap_history is a 400 naming video, and a
-    DF bundle's videos cannot be remade (no SDEdit start)."""
+    DF bundle's videos cannot be remade (no SDEdit start). Its document is valid OpenAPI, with the extension taking
+    any duration and the DF settings, and remix and edits left out."""
+    import jsonschema
+    import openapi_spec_validator
+
     from runtime.serve import worker
     from runtime.video_input import load_frames
 
@@ -389,6 +393,13 @@ def test_df_extension_through_the_extensions_route(df, tmp_path: Path) -> None:
     assert "fewer than overlap_history 5" in short.json()["error"]["message"]
     edit = client.post("/v1/videos/edits", data={"prompt": PROMPT}, files={"video": ("v.mp4", data, "video/mp4")})
     assert edit.status_code == 400 and "cannot be remixed or edited" in edit.json()["error"]["message"], edit.text
+
+    doc = client.get("/openapi.json").json()
+    openapi_spec_validator.validate(doc)
+    assert "/v1/videos/edits" not in doc["paths"] and "/v1/videos/{video_id}/remix" not in doc["paths"]
+    extension = doc["paths"]["/v1/videos/extensions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"overlap_history", "ar_step", "causal_block_size", "addnoise_condition"} <= extension["properties"].keys()
+    jsonschema.validate({"prompt": PROMPT, "seconds": "0.5", "video": {"id": "video_1"}}, extension)
 
     r = client.post("/v1/videos/extensions", data=fields, files={"video": ("v.mp4", data, "video/mp4")})
     assert r.status_code == 200, r.text

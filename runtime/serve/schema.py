@@ -82,9 +82,10 @@ class Offer:
 
     @property
     def video_reference(self) -> bool:
-        """input_reference is a video (VACE's control video, video-to-video's source), not an image. (A diffusion
-        forcing bundle's input_reference is the first frame; its videos to extend go to POST /v1/videos/extensions.)"""
-        return self.kind.video == "optional" or self.video_to_video
+        """input_reference is a video (VACE's control video, video-to-video's source, Lucy Edit's), not an image. (A
+        diffusion forcing bundle's input_reference is the first frame; its videos to extend go to POST
+        /v1/videos/extensions.)"""
+        return self.kind.video in ("optional", "required") or self.video_to_video
 
     @property
     def takes_video(self) -> bool:
