@@ -114,6 +114,10 @@ class Model(_Strict):
     mask: bool = Field(description="takes a mask video (VACE)")
     animate: bool = Field(description="Wan-Animate: takes pose_video and face_video (and for replace "
                                       "background_video, mask_video); the video is as long as the pose video")
+    forcing: bool = Field(description="diffusion forcing (SkyReels-V2 DF): `seconds` of any duration up to "
+                                      "max_seconds, made in overlapping segments; extends videos")
+    max_seconds: float | None = Field(None, description="diffusion forcing: the longest video a job may ask for "
+                                                        "(serve --max-seconds); absent for other kinds")
     reference_images: list[int] = Field(description="the counts of reference images it serves (VACE; [0] else)")
     video_to_video: bool
     experts: int
