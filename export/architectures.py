@@ -126,3 +126,35 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                                    _transformer(40, 13824, 40, **_I2V_14B, pos_embed_seq_len=2 * 257),
                                    flow_shift=16.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
 }
+
+# SkyReels-V2 (Skywork/SkyReels-V2-*-Diffusers): Wan 2.1's DiT as SkyReelsV2Transformer3DModel. The diffusion forcing
+# checkpoints are text-to-video DiTs that diffusers' three DF pipelines share; DF-1.3B has the fps embedding
+# (inject_sample_info), the 14B ones not (diffusers' convert_skyreelsv2_to_diffusers.py). Flow shift 8 for text and
+# 5 for image conditioning, as diffusers' examples set it.
+_I2V_1_3B = dict(in_channels=36, image_dim=1280, added_kv_proj_dim=1536)
+ARCHITECTURES.update({
+    "skyreels-v2-df-1.3b-540p": _arch("SkyReelsV2DiffusionForcingPipeline",
+                                      "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
+                                      _transformer(12, 8960, 30, inject_sample_info=True), flow_shift=8.0),
+    "skyreels-v2-df-14b-540p": _arch("SkyReelsV2DiffusionForcingPipeline", "Skywork/SkyReels-V2-DF-14B-540P-Diffusers",
+                                     _transformer(40, 13824, 40), flow_shift=8.0),
+    "skyreels-v2-df-14b-720p": _arch("SkyReelsV2DiffusionForcingPipeline", "Skywork/SkyReels-V2-DF-14B-720P-Diffusers",
+                                     _transformer(40, 13824, 40), flow_shift=8.0),
+    "skyreels-v2-t2v-14b-540p": _arch("SkyReelsV2Pipeline", "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers",
+                                      _transformer(40, 13824, 40), flow_shift=8.0),
+    "skyreels-v2-t2v-14b-720p": _arch("SkyReelsV2Pipeline", "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers",
+                                      _transformer(40, 13824, 40), flow_shift=8.0),
+    "skyreels-v2-i2v-1.3b-540p": _arch("SkyReelsV2ImageToVideoPipeline", "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers",
+                                       _transformer(12, 8960, 30, **_I2V_1_3B), flow_shift=5.0,
+                                       image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
+    "skyreels-v2-i2v-14b-540p": _arch("SkyReelsV2ImageToVideoPipeline", "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers",
+                                      _transformer(40, 13824, 40, **_I2V_14B), flow_shift=5.0,
+                                      image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
+    "skyreels-v2-i2v-14b-720p": _arch("SkyReelsV2ImageToVideoPipeline", "Skywork/SkyReels-V2-I2V-14B-720P-Diffusers",
+                                      _transformer(40, 13824, 40, **_I2V_14B), flow_shift=5.0,
+                                      image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
+    "skyreels-v2-flf2v-1.3b-540p": _arch("SkyReelsV2ImageToVideoPipeline",
+                                         "Skywork/SkyReels-V2-FLF2V-1.3B-540P-Diffusers",
+                                         _transformer(12, 8960, 30, **_I2V_1_3B, pos_embed_seq_len=2 * 257),
+                                         flow_shift=5.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
+})

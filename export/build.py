@@ -370,7 +370,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
                         raise UserError(f"{src.id}: {group} does not have the same tensors as {first.weights}")
                     names = [(kinds.cross_kv_program(e, t), kinds.cross_kv_program(0, t)) for t in (None, *short_rows)]
                     names += [(kinds.denoise_program(e, v) + at, kinds.denoise_program(0, v) + at)
-                              for at in (shape_suffix("video", g, geo) for g in shapes) for v in kinds.DENOISE_VARIANTS]
+                              for at in (shape_suffix("video", g, geo) for g in shapes) for v in kind.variants]
                     for name, like in names:
                         programs[name] = dataclasses.replace(programs[like], weights=group)
                 del module, ex
@@ -486,12 +486,15 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[s
     if kind.vace:  # the inactive and reactive latents and the folded mask, for the reference images' frames too
         shapes["control"] = (b, int(module.config.vace_in_channels), t, h, w)
         shapes["control_scale"] = (len(module.config.vace_layers),)
+    if kind.forcing:  # re-noise for pinned frames and its share per frame, the frames that step, causal blocks, fps
+        shapes.update(noise=(b, z, t, h, w), blend=(t,), update=(t,), causal_block=(), fps=())
     if kind.animate:  # the pose latents of the video's frames; the face_motion program's vectors, for cond and uncond
         cfg = module.config
         shapes["pose"] = (b, z, geo.latent_frames, h, w)
         shapes["motion"] = (2, b, geo.latent_frames, int(cfg.face_encoder_num_heads) + 1,
                             int(cfg.num_attention_heads) * int(cfg.attention_head_dim))
-    return {name: TensorSpec(shapes[name], "float32") for name in kind.conditioning_inputs}
+    ints = ("causal_block", "fps")
+    return {name: TensorSpec(shapes[name], "int32" if name in ints else "float32") for name in kind.conditioning_inputs}
 
 
 def kv_inputs(kind: Kind, geo: Geometry, image_tokens: tuple[int, ...] | None,
@@ -540,16 +543,19 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
     block_files: dict[tuple[int, int], FileRef] = {}  # by (batch, text rows; L: the whole text)
     heads: dict[int, tuple[FileRef, dict[str, TensorSpec], denoise_blocks.Carry]] = {}  # by batch
     tensors = {k: f"{denoise_blocks.BLOCK_PREFIX}0.{k}" for k in block.weights}
-    for v in kinds.DENOISE_VARIANTS.values():
+    frames = geo.latent_shape[2] if kind.forcing else None  # diffusion forcing: a timestep and a row per frame
+    shared = ("kv", "causal_block") if kind.forcing else ("kv",)  # what the blocks take, not the head and tail
+    for v in (kinds.DENOISE_VARIANTS[n] for n in kind.variants):
         batch = (2 if v.cfg else 1) * geo.batch
         layout = sharding.dit_layout(target.mesh, batch, tokens)
         name = kinds.denoise_program(0, v.name) + suffix
         inputs = {
             "state": TensorSpec((sched.state_rows(order), *geo.latent_shape), "float32"),
             "kv": kv,
-            "timestep": TensorSpec((), "float32"),
+            "timestep": TensorSpec(() if frames is None else (frames,), "float32"),
             "guidance": TensorSpec((), "float32"),
-            "row": TensorSpec((sched.row_size(order),), "float32"),
+            "row": TensorSpec((sched.row_size(order),) if frames is None else (frames, sched.row_size(order)),
+                              "float32"),
             **extras,
         }
         outputs, out_partition = ["state", "finite"], [PartitionSpec(), PartitionSpec()]
@@ -561,7 +567,8 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
         with sharding.use_layout(layout):
             # What runs no block takes no kv: the whole step is traced with zeros there, which nothing reads.
             step = denoise.build(ex, order, model_dtype, kind, L, patch, v)
-            no_kv, without_kv = denoise.without_kv(step, kv), {k: t for k, t in inputs.items() if k != "kv"}
+            no_kv = denoise.without(step, list(inputs), {k: inputs[k] for k in shared})
+            without_kv = {k: t for k, t in inputs.items() if k not in shared}
             if v.residual == "in":
                 add_program(name, "transformer", no_kv, without_kv, outputs, {"residual": layout.hidden},
                             tuple(out_partition))
@@ -578,7 +585,8 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                 carry = denoise_blocks.Carry()
                 scale_at = list(inputs).index("control_scale") if kind.vace else None
                 head_outputs = denoise_blocks.VACE_HEAD_OUTPUTS if kind.vace else denoise_blocks.HEAD_OUTPUTS
-                head, carried = write_program(name, "transformer", denoise_blocks.head(ex, own_step, carry, scale_at),
+                head, carried = write_program(name, "transformer",
+                                              denoise_blocks.head(ex, own_step, carry, scale_at, kind.forcing),
                                               own_inputs, head_outputs,
                                               output_partition=(hidden, PartitionSpec(), PartitionSpec(),
                                                                 *([hints] if kind.vace else [])))
@@ -590,15 +598,17 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                     block_files[batch, t], _ = write_program(
                         f"denoise_block_{batch}{rows}{suffix}", "transformer",
                         denoise_blocks.block(block, carry, kind.image_encoder, L - t,
-                                             denoise_blocks.vace_index(ex.module) if kind.vace else None),
-                        {**carried, "kv": t_kv, "layer": TensorSpec((), "int32")}, ["hidden"],
+                                             denoise_blocks.vace_index(ex.module) if kind.vace else None,
+                                             kind.forcing),
+                        {**carried, "kv": t_kv, **{k: inputs[k] for k in shared[1:]}, "layer": TensorSpec((), "int32")},
+                        ["hidden"],
                         {"hidden": hidden, "hints": hints}, hidden, tensors)
             tail_name = f"{kinds.denoise_program(0, v.name)}_tail{suffix}"
             tail, outs = write_program(tail_name, "transformer", denoise_blocks.tail(ex, own_step),
                                        {**own_inputs, "hidden": carried["hidden"]}, outputs,
                                        {"residual": hidden, "hidden": hidden}, tuple(out_partition))
             loop = BlockLoop(block=block_files[batch, L], tail=tail, layers=layers, prefix=denoise_blocks.BLOCK_PREFIX,
-                             shared=("kv",), short_blocks={str(t): block_files[batch, t] for t in short_kv},
+                             shared=shared, short_blocks={str(t): block_files[batch, t] for t in short_kv},
                              head_takes_shared=kind.vace)
             programs[name] = ProgramSpec(file=head.file, sha256=head.sha256, weights="transformer", inputs=inputs,
                                          outputs=outs, blocks=loop)

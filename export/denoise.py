@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from runtime.kinds import DENOISE_VARIANTS, DenoiseVariant, Kind
 
-from . import block_cache, cross_kv, face_motion
+from . import attention, block_cache, cross_kv, face_motion
 from .trace import Extracted
 
 
@@ -53,7 +53,11 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     and the face_motion program's vectors of the face video then (for the uncond half) of the black face;
     residual (2B, S, dim) in the model dtype: the transformer blocks' output minus input, returned by a
     "residual" variant and taken (instead of running the blocks) by a "cached" one (export/block_cache.py).
+
+    "forcing" (SkyReels-V2 diffusion forcing) is `build_forcing`'s step.
     """
+    if kind.forcing:
+        return build_forcing(ex, order, dtype, text_tokens, patch, variant)
     copies = 2 if variant.cfg else 1
 
     def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array,
@@ -62,7 +66,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         if variant.residual == "in":
             *extras, residual = extras
         named = dict(zip(kind.conditioning_inputs, extras, strict=True))
-        x, xprev, hist = state[0], state[1], state[2:]
+        x = state[0]
         b = x.shape[0]
         if kind.channel_condition:  # as diffusers: cat([latents, condition], dim=1).to(dtype)
             model_x = jnp.concatenate([x, named["condition"]], axis=1)
@@ -110,22 +114,114 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         else:  # as diffusers without classifier-free guidance: the cond prediction alone
             v = out.astype(jnp.float32)
 
-        m_i = x - row[0] * v
-        c = row[1:1 + order + 3]
-        p = row[1 + order + 3:]
-        xc = c[0] * x + c[1] * xprev + c[2] * m_i
-        for j in range(order):
-            xc = xc + c[3 + j] * hist[j]
-        x_next = p[0] * xc + p[1] * m_i
-        for j in range(order - 1):
-            x_next = x_next + p[2 + j] * hist[j]
-        new_state = jnp.stack([x_next, xc, m_i, *[hist[j] for j in range(order - 1)]])
-        finite = jnp.all(jnp.isfinite(x_next))
+        new_state = sampler_update(state, v, row, order)
+        finite = jnp.all(jnp.isfinite(new_state[0]))
         if variant.residual == "out":
             return new_state, finite, residual
         return new_state, finite
 
     return step
+
+
+def sampler_update(state: jax.Array, v: jax.Array, row: jax.Array, order: int) -> jax.Array:
+    """The sampler's step (runtime/scheduler.py's row layout) from the guided velocity `v`: the new state. `row` is one
+    row (R,), or one per latent frame (T, R) (diffusion forcing: every frame steps its own schedule)."""
+    x, xprev, hist = state[0], state[1], state[2:]
+
+    def c(j: int) -> jax.Array:
+        col = row[..., j]
+        return col if col.ndim == 0 else col[None, None, :, None, None]  # against (B, C, T, H, W)
+
+    m_i = x - c(0) * v
+    xc = c(1) * x + c(2) * xprev + c(3) * m_i
+    for j in range(order):
+        xc = xc + c(4 + j) * hist[j]
+    p = 1 + order + 3
+    x_next = c(p) * xc + c(p + 1) * m_i
+    for j in range(order - 1):
+        x_next = x_next + c(p + 2 + j) * hist[j]
+    return jnp.stack([x_next, xc, m_i, *[hist[j] for j in range(order - 1)]])
+
+
+def build_forcing(ex: Extracted, order: int, dtype: Any, text_tokens: int, patch: tuple[int, int] = (2, 2),
+                  variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, state, kv, timestep, guidance, row, noise, blend, update, causal_block, fps) -> (new state,
+    all-finite flag): one step of SkyReels-V2 diffusion forcing (diffusers' SkyReelsV2DiffusionForcing*Pipeline's
+    loop body), on the whole segment.
+
+    state, kv, guidance as `build`'s (T latent frames); timestep float32 (T,): each latent frame's (999 for frames not
+    started, 0 for pinned ones, addnoise_condition for re-noised ones); row float32 (T, R): each frame's own sampler
+    row (the frame's k-th update takes row k); noise float32 (B, z, T, H, W) and blend float32 (T,): the DiT sees
+    latents x (1 - blend) + noise x blend on the frames whose blend is not 0 (addnoise_condition / 1000, diffusers'
+    torch.randn_like noise), the latents elsewhere; update float32 (T,): 1 where the frame's state steps, 0 where it
+    is kept (frames not started, done, or pinned); causal_block int32: block-causal self-attention over frames in
+    blocks of that many (<= 1: full attention; export/attention.py BlockCausal); fps int32: the frame rate the DiT's
+    fps embedding is told (inject_sample_info models: 16 -> row 0, anything else row 1, as diffusers).
+    """
+    copies = 2 if variant.cfg else 1
+    module = ex.module
+
+    def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array, guidance: jax.Array,
+             row: jax.Array, noise: jax.Array, blend: jax.Array, update: jax.Array, causal_block: jax.Array,
+             fps: jax.Array) -> tuple[jax.Array, ...]:
+        x = state[0]
+        b, _, frames, h, w = x.shape
+        share = blend[None, None, :, None, None]
+        # as diffusers: latents.to(dtype); the re-noised frames x (1 - a/1000) + randn x a/1000 in the model dtype
+        xd = x.astype(dtype)
+        renoised = ((xd.astype(jnp.float32) * (1.0 - share)).astype(dtype)
+                    + (noise.astype(dtype).astype(jnp.float32) * share).astype(dtype))
+        model_x = jnp.where(share > 0, renoised, xd)
+        model_in = jnp.concatenate([model_x] * copies)
+        n = copies * b
+        t = jnp.broadcast_to(timestep.astype(jnp.float32), (n, frames))
+        kwargs: dict[str, Any] = {"return_dict": False, "enable_diffusion_forcing": True, "fps": [0]}
+        args = (model_in, t, jnp.zeros((n, text_tokens, 0), dtype))
+        causal = attention.BlockCausal((h // patch[0]) * (w // patch[1]), causal_block)
+        with cross_kv.precomputed(module, ex.env, kv[:, :, :n], text_tokens), fps_embedding(module, ex.env, fps), \
+                attention.block_causal([blk.attn1 for blk in module.blocks], causal):
+            out = ex.fn(weights, args, kwargs)[0]
+        if variant.cfg:
+            cond, uncond = out[:b], out[b:]
+            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
+        else:
+            v = out.astype(jnp.float32)
+        stepped = sampler_update(state, v, row, order)
+        new_state = jnp.where(update[None, None, None, :, None, None] > 0, stepped, state)
+        return new_state, jnp.all(jnp.isfinite(new_state[0]))
+
+    return step
+
+
+@contextlib.contextmanager
+def fps_embedding(module: Any, env: Any, fps: jax.Array) -> Any:
+    """While active, the DiT's fps embedding (inject_sample_info) looks up the row of the traced frame rate `fps`
+    (diffusers: 0 if fps == 16 else 1) instead of the placeholder the forward is given. No-op for other DiTs."""
+    emb = getattr(module, "fps_embedding", None)
+    if emb is None:
+        yield
+        return
+    index = env.j2t_iso(jnp.where(fps == 16, 0, 1).astype(jnp.int32).reshape(1))
+    handle = emb.register_forward_hook(lambda m, args, out: m.weight[index])
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def without(step: Callable[..., tuple[jax.Array, ...]], names: list[str], missing: dict[str, Any]
+            ) -> Callable[..., tuple[jax.Array, ...]]:
+    """`step` (taking the inputs `names` in order after the weights) without the inputs `missing` (name -> spec): zeros
+    of their specs stand in, and nothing reads them (a block loop's head and tail run no block, so they take neither
+    the cross-attention keys and values nor the causal block size)."""
+
+    def fn(weights: dict[str, Any], *given: jax.Array) -> tuple[jax.Array, ...]:
+        it = iter(given)
+        full = [jnp.zeros(missing[n].shape, missing[n].dtype) if n in missing else next(it) for n in names]
+        return step(weights, *full)
+
+    return fn
 
 
 def without_kv(step: Callable[..., tuple[jax.Array, ...]], kv: Any) -> Callable[..., tuple[jax.Array, ...]]:

@@ -29,6 +29,7 @@ value, (VACE layers, B, S, dim); block i adds hint `vace_index(module)[i]` after
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import block_cache, cross_kv
+from . import attention, block_cache, cross_kv
 from .trace import Extracted
 
 BLOCK_PREFIX = "blocks."  # block i of the DiT takes the group's tensors "blocks.<i>.<name>"
@@ -61,23 +62,26 @@ def vace_index(module: Any) -> list[int]:
     return [layers.index(i) if i in layers else -1 for i in range(len(module.blocks))]
 
 
-def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | None = None
-         ) -> Callable[..., tuple[jax.Array, ...]]:
+def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | None = None,
+         per_frame: bool = False) -> Callable[..., tuple[jax.Array, ...]]:
     """fn(weights, *step inputs) -> (hidden, temb, rope): the first block's arguments (RoPE's tables stacked). A VACE
     model's (`scale_at`: the position of control_scale among the step inputs) also returns its VACE blocks' hints
-    times their scales."""
+    times their scales. `per_frame` (diffusion forcing, whose blocks get a modulation per token): temb is one per
+    latent frame, (B, 6, T, dim), before diffusers repeats it over each frame's tokens (`block` repeats it there):
+    the (B, 6, S, dim) the blocks see would be S / T times larger (13.7 GB at 14B, 720p x 121 frames)."""
 
     def fn(weights: dict[str, Any], *inputs: jax.Array) -> tuple[jax.Array, ...]:
         box: dict[str, Any] = {}
         hints: list[Any] = []
+        handles = frame_modulation(ex.module, box) if per_frame else []
 
-        def first(hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_emb: Any) -> Any:
+        def first(hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_emb: Any, *mask: Any) -> Any:
             box["args"] = (hidden_states, encoder_hidden_states, temb, rotary_emb)
             return hidden_states
 
         vace = scale_at is not None
-        handles = [b.register_forward_hook(lambda _, args, out: hints.append(out[0]))
-                   for b in (ex.module.vace_blocks if vace else [])]
+        handles += [b.register_forward_hook(lambda _, args, out: hints.append(out[0]))
+                    for b in (ex.module.vace_blocks if vace else [])]
         try:
             with block_cache.replace(ex.module, first, keep_vace=vace):
                 step(weights, *inputs)
@@ -85,6 +89,8 @@ def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | 
             for h in handles:
                 h.remove()
         hidden, text, temb, rope = ex.env.t2j_iso(box["args"])
+        if per_frame:
+            temb = per_frame_modulation(ex.env, box)
         carry.placeholder = (tuple(text.shape), text.dtype)
         carry.rope_tuple = isinstance(rope, (tuple, list))
         out = (hidden, temb, jnp.stack(rope if carry.rope_tuple else [rope]))
@@ -97,8 +103,29 @@ def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | 
     return fn
 
 
-def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vace: list[int] | None = None
-          ) -> Callable[..., jax.Array]:
+def frame_modulation(module: Any, box: dict[str, Any]) -> list[Any]:
+    """Hooks that put a SkyReels-V2 DiT's per-frame time projection (B, T, 6 x dim) into box["proj"] and its fps
+    projection (1, 6 x dim) into box["fps"] (inject_sample_info models) as the forward computes them."""
+    handles = [module.condition_embedder.register_forward_hook(lambda m, args, out: box.__setitem__("proj", out[1]))]
+    if getattr(module, "fps_projection", None) is not None:
+        handles.append(module.fps_projection.register_forward_hook(lambda m, args, out: box.__setitem__("fps", out)))
+    return handles
+
+
+def per_frame_modulation(env: Any, box: dict[str, Any]) -> jax.Array:
+    """(B, 6, T, dim): what diffusers' diffusion forcing forward makes of the time (and fps) projections before it
+    repeats them over each frame's tokens: timestep_proj.unflatten(-1, (6, -1)) (+ the fps projection's, in the model
+    dtype), frames after the six modulation rows."""
+    proj = env.t2j_iso(box["proj"])
+    b, t, width = proj.shape
+    proj = proj.reshape(b, t, 6, width // 6)
+    if "fps" in box:
+        proj = proj + env.t2j_iso(box["fps"]).reshape(1, 1, 6, width // 6)
+    return jnp.swapaxes(proj, 1, 2)
+
+
+def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vace: list[int] | None = None,
+          per_frame: bool = False) -> Callable[..., jax.Array]:
     """fn(block weights, hidden, temb, rope[, hints], kv, layer) -> hidden: one block of the DiT whose block 0
     `ex_block` extracts (weights named as inside the block). `image`: the model has a CLIP image embedder (its keys
     and values lead each row of kv). `pad_rows`: kv is a short prompt's, its last row standing for that many zero
@@ -107,6 +134,10 @@ def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vac
     if carry.placeholder is None:
         raise AssertionError("export the head before the block program")
     n_img = cross_kv.image_tokens(carry.placeholder[0][1]) if image else 0  # the placeholder spans all tokens
+    # SkyReels-V2's block takes a self-attention mask (diffusers' dense block-causal one; None here: the programs
+    # that need one make it in attention, export/attention.py block_causal)
+    block_kwargs = {"attention_mask": None} if "attention_mask" in inspect.signature(
+        type(ex_block.module).forward).parameters else {}
 
     def run(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
             layer: jax.Array) -> jax.Array:
@@ -115,8 +146,19 @@ def block(ex_block: Extracted, carry: Carry, image: bool, pad_rows: int = 0, vac
         shape, dtype = carry.placeholder
         rotary = tuple(rope) if carry.rope_tuple else rope[0]  # tuple(array) splits the stacked axis
         with cross_kv.block_precomputed(ex_block.module, ex_block.env, mine, n_img, pad_rows):
-            return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), {})
+            return ex_block.fn(weights, (hidden, jnp.zeros(shape, dtype), temb, rotary), block_kwargs)
 
+    if per_frame:  # diffusion forcing: temb (B, 6, T, dim) repeated over each frame's tokens; causal_block shared
+        def forcing(weights: dict[str, Any], hidden: jax.Array, temb: jax.Array, rope: jax.Array, kv: jax.Array,
+                    causal_block: jax.Array, layer: jax.Array) -> jax.Array:
+            b, six, frames, width = temb.shape
+            tokens = hidden.shape[1] // frames
+            full = jnp.broadcast_to(temb[:, :, :, None], (b, six, frames, tokens, width)).reshape(b, six, -1, width)
+            causal = attention.BlockCausal(tokens, causal_block)
+            with attention.block_causal([ex_block.module.attn1], causal):
+                return run(weights, hidden, full, rope, kv, layer)
+
+        return forcing
     if vace is None:
         return run
 

@@ -34,6 +34,15 @@ seeds (``seeds/002``, ``seeds/004``):
 * **K smoothing** (optional): subtracting the per-(batch, head) mean of K over the
   sequence shifts every score of a query by the same constant, which softmax
   ignores; it reduces the magnitude of bf16 scores.
+* **Block-causal** (optional, diffusion forcing's asynchronous mode): a query sees
+  the keys whose causal block of frames is not after its own. Each token's block
+  id is computed outside the kernel (XLA does the integer division) and passed in,
+  the queries' along lanes and the keys' along sublanes; per (q block, kv block) the
+  lowest and highest ids are scalar-prefetched, so a kv block all after the q
+  block's last query is skipped (its DMA too: its index map points at the last kv
+  block the q block needs, already in VMEM), one all before its first query runs
+  unmasked, and only the blocks across a boundary compare ids. The block size is a
+  traced value: one program serves every causal_block_size.
 
 ``interpret=True`` runs the same kernel on CPU (tests); ``interpret=False`` lowers
 to a Mosaic ``tpu_custom_call``, which ``jax.export`` can serialize from a
@@ -100,11 +109,12 @@ def fit_blocks(blocks: FlashBlocks, q_len: int, kv_len: int) -> FlashBlocks:
 
 
 def _attend_sub_block(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, start: jax.Array | int,
-                      size: int, valid_rows: int | None) -> None:
+                      size: int, valid_rows: int | None, ids: tuple | None = None) -> None:
     """One online-softmax update with kv rows [start, start + size) of the current kv block.
 
     ``valid_rows``: if set, only the first ``valid_rows`` of these rows are real keys;
-    the rest are padding and get MASK_VALUE scores.
+    the rest are padding and get MASK_VALUE scores. ``ids``: (queries' block ids (1, bq),
+    keys' block ids (block_kv, 1)) refs: a key after a query's block is masked too.
     """
     rows = pl.ds(start, size)
     k = k_ref[rows, :]
@@ -112,6 +122,9 @@ def _attend_sub_block(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, start: jax.Arr
     if valid_rows is not None:
         row = lax.broadcasted_iota(jnp.int32, qk.shape, 0)
         qk = jnp.where(row < valid_rows, qk, MASK_VALUE)
+    if ids is not None:
+        q_ids, k_ids = ids
+        qk = jnp.where(k_ids[rows, :] <= q_ids[...], qk, MASK_VALUE)
 
     m_prev, l_prev = m_ref[...], l_ref[...]                   # (8, bq), sublane-replicated
     m_next = jnp.maximum(m_prev, qk.max(axis=0, keepdims=True))
@@ -125,21 +138,22 @@ def _attend_sub_block(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, start: jax.Arr
     acc_ref[...] = alpha[0:1] * acc_ref[...] + o_curr
 
 
-def _attend_rows(refs: tuple, num_rows: int, step: int, masked_tail: bool) -> None:
+def _attend_rows(refs: tuple, num_rows: int, step: int, masked_tail: bool, ids: tuple | None = None) -> None:
     """Online softmax over the first ``num_rows`` rows of the kv block, ``step`` rows at a time.
 
     With ``masked_tail`` the rows past the last full step (fewer than ``step``) are
-    processed as one masked sub-block of ``step`` rows.
+    processed as one masked sub-block of ``step`` rows. ``ids``: block-causal, see
+    ``_attend_sub_block``.
     """
     full, tail = divmod(num_rows, step)
     if full:
         def body(i: jax.Array, carry: None) -> None:
-            _attend_sub_block(*refs, pl.multiple_of(i * step, step), step, None)
+            _attend_sub_block(*refs, pl.multiple_of(i * step, step), step, None, ids)
             return carry
 
         lax.fori_loop(0, full, body, None, unroll=True)
     if tail and masked_tail:
-        _attend_sub_block(*refs, full * step, step, tail)
+        _attend_sub_block(*refs, full * step, step, tail, ids)
 
 
 def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
@@ -206,14 +220,118 @@ def _flash_call(q: jax.Array, k: jax.Array, v: jax.Array, blocks: FlashBlocks, k
     )(q, k, v)
 
 
+def _causal_kernel(q_lo, q_hi, k_lo, k_hi, kv_last, q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, m_ref, l_ref,
+                   acc_ref, *, num_kv_blocks: int, block_kv_compute: int, last_block_rows: int) -> None:
+    """`_flash_kernel`, block-causal: grid step (head, q block i, kv block j) runs only if some key of the kv block is
+    visible to some query of the q block (k_lo[j] <= q_hi[i]), unmasked if every key is visible to every query
+    (k_hi[j] <= q_lo[i]), else comparing the token block ids."""
+    i, j = pl.program_id(1), pl.program_id(2)
+    block_kv = k_ref.shape[0]
+    refs = (q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref)
+
+    @pl.when(j == 0)
+    def _init() -> None:
+        m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def attend(ids: tuple | None) -> None:
+        if last_block_rows == block_kv:
+            _attend_rows(refs, block_kv, block_kv_compute, False, ids)
+            return
+
+        @pl.when(j < num_kv_blocks - 1)
+        def _full_block() -> None:
+            _attend_rows(refs, block_kv, block_kv_compute, False, ids)
+
+        @pl.when(j == num_kv_blocks - 1)
+        def _ragged_block() -> None:
+            _attend_rows(refs, last_block_rows, block_kv_compute, True, ids)
+
+    runs = k_lo[j] <= q_hi[i]
+    whole = k_hi[j] <= q_lo[i]
+
+    @pl.when(runs & whole)
+    def _visible() -> None:
+        attend(None)
+
+    @pl.when(runs & jnp.logical_not(whole))
+    def _across() -> None:
+        attend((qid_ref, kid_ref))
+
+    @pl.when(j == num_kv_blocks - 1)
+    def _finish() -> None:
+        inv_l = 1.0 / l_ref[0:1, :]
+        o_ref[...] = (acc_ref[...] * inv_l).astype(o_ref.dtype)
+
+
+def _causal_call(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, k_ids: jax.Array, blocks: FlashBlocks,
+                 kv_len: int, interpret: bool) -> jax.Array:
+    """`_flash_call`, block-causal: q_ids (Sq_pad,) and k_ids (Sk_pad,) int32, each token's causal block (padded keys
+    a block after every query's, padded queries any)."""
+    n, sq_pad, d = q.shape
+    sk_pad = k.shape[1]
+    bq, bkv = blocks.block_q, blocks.block_kv
+    nq, nk = sq_pad // bq, sk_pad // bkv
+    qb, kb = q_ids.reshape(nq, bq), k_ids.reshape(nk, bkv)
+    q_lo, q_hi, k_lo, k_hi = qb.min(axis=1), qb.max(axis=1), kb.min(axis=1), kb.max(axis=1)
+    # the last kv block each q block needs (ids are non-decreasing): the blocks after it map onto it, no new DMA
+    kv_last = jnp.maximum(jnp.sum(k_lo[None, :] <= q_hi[:, None], axis=1) - 1, 0).astype(jnp.int32)
+    kernel = functools.partial(_causal_kernel, num_kv_blocks=nk, block_kv_compute=blocks.block_kv_compute,
+                               last_block_rows=kv_len - (nk - 1) * bkv)
+
+    def kv_map(h, i, j, ql, qh, kl, kh, last):
+        return (h, jnp.minimum(j, last[i]), 0)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(n, nq, nk),
+        in_specs=[
+            pl.BlockSpec((None, bq, d), lambda h, i, j, *_: (h, i, 0)),
+            pl.BlockSpec((None, bkv, d), kv_map),
+            pl.BlockSpec((None, bkv, d), kv_map),
+            pl.BlockSpec((1, bq), lambda h, i, j, *_: (0, i)),
+            pl.BlockSpec((bkv, 1), lambda h, i, j, ql, qh, kl, kh, last: (jnp.minimum(j, last[i]), 0)),
+        ],
+        out_specs=pl.BlockSpec((None, d, bq), lambda h, i, j, *_: (h, 0, i)),
+        scratch_shapes=[
+            pltpu.VMEM((NUM_SUBLANES, bq), jnp.float32),
+            pltpu.VMEM((NUM_SUBLANES, bq), jnp.float32),
+            pltpu.VMEM((d, bq), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, d, sq_pad), q.dtype),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            flags={"XLA_TPU_FORCE_LP_LLO_SCHEDULER": True},
+        ),
+        interpret=interpret,
+        name="wan_flash_attention_block_causal",
+    )(q_lo, q_hi, k_lo, k_hi, kv_last, q, k, v, q_ids.reshape(1, sq_pad), k_ids.reshape(sk_pad, 1))
+
+
+def block_ids(positions: jax.Array, frame_tokens: int, block_frames: jax.Array) -> jax.Array:
+    """Each token's causal block (int32): position // frame_tokens // block_frames; all 0 when block_frames <= 1
+    (full attention, as diffusers masks only for num_frame_per_block > 1)."""
+    n = jnp.maximum(block_frames, 1).astype(jnp.int32)
+    ids = positions.astype(jnp.int32) // frame_tokens // n
+    return jnp.where(block_frames > 1, ids, 0).astype(jnp.int32)
+
+
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
                     blocks: FlashBlocks = FlashBlocks(), k_smoothing: bool = False,
-                    interpret: bool = False) -> jax.Array:
-    """q (B, H, Sq, D), k/v (B, H, Sk, D) -> (B, H, Sq, D) in q.dtype; softmax(q k^T * scale) v, no mask."""
+                    interpret: bool = False, causal: tuple[int, jax.Array, jax.Array | int] | None = None
+                    ) -> jax.Array:
+    """q (B, H, Sq, D), k/v (B, H, Sk, D) -> (B, H, Sq, D) in q.dtype; softmax(q k^T * scale) v, no mask, or with
+    `causal` = (frame_tokens, block_frames, q_offset) block-causal self-attention over frames (the queries are the
+    sequence's from q_offset on, a shard of it; block_frames <= 1: no mask; see `block_ids`)."""
     if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Sk,D); got {q.shape}, {k.shape}, {v.shape}")
     b, h, sq, d = q.shape
@@ -230,5 +348,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | 
     k = _pad_rows(k.reshape(b * h, sk, d), sk_pad)
     v = _pad_rows(v.reshape(b * h, sk, d), sk_pad)
 
-    out = _flash_call(q, k, v, blocks, sk, interpret)          # (B*H, D, Sq_pad)
+    if causal is None:
+        out = _flash_call(q, k, v, blocks, sk, interpret)          # (B*H, D, Sq_pad)
+    else:
+        frame_tokens, block_frames, q_offset = causal
+        big = jnp.iinfo(jnp.int32).max
+        q_ids = block_ids(q_offset + jnp.arange(q.shape[1]), frame_tokens, block_frames)
+        k_ids = jnp.where(jnp.arange(sk_pad) < sk, block_ids(jnp.arange(sk_pad), frame_tokens, block_frames), big)
+        out = _causal_call(q, k, v, q_ids, k_ids, blocks, sk, interpret)
     return out[:, :, :sq].transpose(0, 2, 1).reshape(b, h, sq, d)

@@ -110,6 +110,8 @@ def transformer_class(kind: Kind) -> Any:
     else WanTransformer3DModel."""
     import diffusers
 
+    if kind.dit == "skyreels":
+        return diffusers.SkyReelsV2Transformer3DModel
     if kind.animate:
         return diffusers.WanAnimateTransformer3DModel
     return diffusers.WanVACETransformer3DModel if kind.vace else diffusers.WanTransformer3DModel
@@ -199,7 +201,8 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
         arch = architectures.ARCHITECTURES[model]
         src = Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
                      transformer_config=_full_config({"WanVACEPipeline": "vace_transformer",
-                                                      "WanAnimatePipeline": "animate_transformer"}.get(
+                                                      "WanAnimatePipeline": "animate_transformer",
+                                                      **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False,
@@ -292,10 +295,20 @@ PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v", "WanVACEPip
              "WanVideoToVideoPipeline": "v2v", "WanAnimatePipeline": "animate",
              "LucyEditPipeline": "lucy"}
 
+# SkyReels-V2 (runtime/kinds.py's skyreels-* rows): the three diffusion forcing pipelines run the same checkpoints,
+# so any of them gives one skyreels-df bundle (text, image and video extension).
+SKYREELS_PIPELINES = {"SkyReelsV2Pipeline": "skyreels-t2v", "SkyReelsV2ImageToVideoPipeline": "skyreels-i2v",
+                      "SkyReelsV2DiffusionForcingPipeline": "skyreels-df",
+                      "SkyReelsV2DiffusionForcingImageToVideoPipeline": "skyreels-df",
+                      "SkyReelsV2DiffusionForcingVideoToVideoPipeline": "skyreels-df"}
+PIPELINES.update({name: "skyreels" for name in SKYREELS_PIPELINES})
+
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
                 image_encoder: bool, where: str) -> str:
     """The runtime/kinds.py row of a diffusers Wan pipeline, from its model_index.json and configs."""
+    if pipeline in SKYREELS_PIPELINES:
+        return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
     if PIPELINES[pipeline] == "lucy":  # Lucy Edit: TI2V-5B's DiT (expand_timesteps) on [noise, source video latents]
         if two_experts or image_encoder:
             raise UserError(f"{where}: Lucy Edit with two experts or an image encoder is not a configuration wan-aot "
@@ -325,6 +338,25 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
     return "flf2v" if transformer.get("pos_embed_seq_len") else "i2v"
 
 
+def detect_skyreels(pipeline: str, two_experts: bool, transformer: dict[str, Any], image_encoder: bool,
+                    where: str) -> str:
+    """The skyreels-* row of a SkyReels-V2 pipeline: one expert always; I2V with CLIP (FLF2V with pos_embed_seq_len);
+    the plain pipelines never pass the fps the DiT's `inject_sample_info` needs (diffusers fails there too)."""
+    kind = SKYREELS_PIPELINES[pipeline]
+    if two_experts:
+        raise UserError(f"{where}: a SkyReels-V2 pipeline with two experts is not a configuration wan-aot knows")
+    if kind == "skyreels-i2v":
+        if not image_encoder:
+            raise UserError(f"{where}: SkyReels-V2 image-to-video needs its CLIP image_encoder")
+        kind = "skyreels-flf2v" if transformer.get("pos_embed_seq_len") else kind
+    elif image_encoder:
+        raise UserError(f"{where}: {pipeline} with an image encoder is not a configuration wan-aot knows")
+    if kind != "skyreels-df" and transformer.get("inject_sample_info"):
+        raise UserError(f"{where}: {pipeline}'s DiT has inject_sample_info (an fps embedding) that only the diffusion "
+                        "forcing pipelines feed: export it as SkyReelsV2DiffusionForcingPipeline")
+    return kind
+
+
 def check_consistent(src: Source) -> None:
     """The DiT's input channels must be what the kind feeds it (noise, noise + mask + condition, or noise + the
     source video's latents)."""
@@ -350,13 +382,15 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
     """The complete diffusers config (defaults filled in) of a component built from `args`."""
     from diffusers import (
         AutoencoderKLWan,
+        SkyReelsV2Transformer3DModel,
         WanAnimateTransformer3DModel,
         WanTransformer3DModel,
         WanVACETransformer3DModel,
     )
 
     cls = {"transformer": WanTransformer3DModel, "vace_transformer": WanVACETransformer3DModel,
-           "animate_transformer": WanAnimateTransformer3DModel, "vae": AutoencoderKLWan}[component]
+           "animate_transformer": WanAnimateTransformer3DModel, "skyreels_transformer": SkyReelsV2Transformer3DModel,
+           "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     return {**defaults, **args, "_class_name": cls.__name__}

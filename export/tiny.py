@@ -42,8 +42,9 @@ _VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, tem
 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
-# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "lucy"), experts (2: transformer_2 with
-# boundary_ratio), expand_timesteps, image_encoder (a CLIPVisionConfig).
+# Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "lucy" | "skyreels-t2v" | "skyreels-i2v" |
+# "skyreels-df"), experts (2: transformer_2 with boundary_ratio), expand_timesteps, image_encoder (a
+# CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         transformer=dict(
@@ -100,6 +101,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
                          pipeline="i2v", experts=2, boundary_ratio=0.9),
 }
 
+# SkyReels-V2 in miniature (SkyReelsV2Transformer3DModel, the Wan 2.1 shapes above): text-to-video, image-to-video
+# with CLIP, first-last-frame, and diffusion forcing with the fps embedding (as DF-1.3B-540P has it).
+VARIANTS.update({
+    "tiny-skyreels-t2v": dict(transformer=_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=8.0, pipeline="skyreels-t2v"),
+    "tiny-skyreels-i2v": dict(transformer=_I2V_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=5.0,
+                              pipeline="skyreels-i2v", image_encoder=_CLIP),
+    "tiny-skyreels-flf2v": dict(transformer={**_I2V_DIT, "pos_embed_seq_len": 2 * _CLIP_TOKENS}, vae=_VAE,
+                                text_encoder=_UMT5, flow_shift=5.0, pipeline="skyreels-i2v", image_encoder=_CLIP),
+    "tiny-skyreels-df": dict(transformer={**_DIT, "inject_sample_info": True}, vae=_VAE, text_encoder=_UMT5,
+                             flow_shift=8.0, pipeline="skyreels-df"),
+})
+SKYREELS_PIPELINES = ("skyreels-t2v", "skyreels-i2v", "skyreels-df")
+
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
 
 _WORDS = (
@@ -136,6 +150,10 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
     import torch
     from diffusers import (
         AutoencoderKLWan,
+        SkyReelsV2DiffusionForcingPipeline,
+        SkyReelsV2ImageToVideoPipeline,
+        SkyReelsV2Pipeline,
+        SkyReelsV2Transformer3DModel,
         UniPCMultistepScheduler,
         WanAnimatePipeline,
         WanAnimateTransformer3DModel,
@@ -163,8 +181,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )).eval()
     pipeline = spec.get("pipeline", "t2v")
-    dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel}.get(pipeline,
-                                                                                        WanTransformer3DModel)
+    dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel,
+           **dict.fromkeys(SKYREELS_PIPELINES, SkyReelsV2Transformer3DModel)}.get(pipeline, WanTransformer3DModel)
     torch.manual_seed(1)
     transformer = dit(**spec["transformer"]).eval()
     torch.manual_seed(2)
@@ -193,8 +211,10 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         from diffusers import LucyEditPipeline
 
         return LucyEditPipeline(**parts)
-    if pipeline in ("t2v", "vace", "v2v"):
-        return {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline}[pipeline](**parts)
+    if pipeline in ("t2v", "vace", "v2v", "skyreels-t2v", "skyreels-df"):
+        cls = {"t2v": WanPipeline, "vace": WanVACEPipeline, "v2v": WanVideoToVideoPipeline,
+               "skyreels-t2v": SkyReelsV2Pipeline, "skyreels-df": SkyReelsV2DiffusionForcingPipeline}[pipeline]
+        return cls(**parts)
     if "image_encoder" in spec:  # (Animate's pipeline takes it too)
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -206,7 +226,9 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
             crop_size={"height": cfg["image_size"], "width": cfg["image_size"]},
             resample=3, do_center_crop=True, do_normalize=True, do_rescale=True, do_resize=True, do_convert_rgb=True,
             image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
-    return (WanAnimatePipeline if pipeline == "animate" else WanImageToVideoPipeline)(**parts)
+    cls = {"animate": WanAnimatePipeline, "skyreels-i2v": SkyReelsV2ImageToVideoPipeline}.get(pipeline,
+                                                                                          WanImageToVideoPipeline)
+    return cls(**parts)
 
 
 def save(variant: str, directory: Path) -> Path:

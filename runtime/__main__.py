@@ -9,6 +9,8 @@
     python -m runtime calibrate BUNDLE --prompt "..." --steps 50 --out ratios.json   # MagCache's ratios
     python -m runtime generate BUNDLE --prompt "..." --magcache ratios.json --out fast.mp4
     python -m runtime generate BUNDLE --prompt "..." --image me.png --pose-video p.mp4 --face-video f.mp4 --out a.mp4
+    python -m runtime generate DF_BUNDLE --prompt "..." --frames 257 --overlap-history 17 --out long.mp4  # any length
+    python -m runtime generate DF_BUNDLE --prompt "..." --video clip.mp4 --frames 97 --out longer.mp4  # extend a video
     python -m runtime generate BUNDLE --video source.mp4 --prompt "make it snow" --out edited.mp4   # Lucy Edit
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
@@ -136,6 +138,31 @@ def _animate_args(p: argparse.ArgumentParser) -> None:
                    help="frames each segment takes from the one before (default 1)")
 
 
+def _forcing_args(p: argparse.ArgumentParser) -> None:
+    f = p.add_argument_group("diffusion forcing (SkyReels-V2 DF bundles: --frames beyond the bundle's shape runs "
+                             "segments of it; --image, --last-image, or --video to extend)")
+    f.add_argument("--overlap-history", type=int, default=None, metavar="FRAMES",
+                   help="frames each segment takes from the one before, and of --video (default 17)")
+    f.add_argument("--ar-step", type=int, default=None, metavar="N",
+                   help="the asynchronous mode: each causal block starts N steps after the one before (default 0: "
+                        "synchronous); needs --causal-block-size")
+    f.add_argument("--causal-block-size", type=int, default=None, metavar="FRAMES",
+                   help="latent frames per causal block of block-causal attention (must divide every segment's "
+                        "latent frames; default: none)")
+    f.add_argument("--addnoise-condition", type=float, default=None, metavar="T",
+                   help="re-noise the frames carried over to timestep T (diffusers recommends 20; default 0)")
+
+
+def forcing_args(args: argparse.Namespace, kind: object) -> dict:
+    """The diffusion forcing keywords of `generate`: for a DF bundle, the flags and `--frames` as the video's length
+    (`--fps` the frame rate the DiT is told too); for others, the flags given (refused by generate in one line)."""
+    names = ("overlap_history", "ar_step", "causal_block_size", "addnoise_condition")
+    out = {n: getattr(args, n, None) for n in names if getattr(args, n, None) is not None}
+    if getattr(kind, "forcing", False):
+        out.update(num_frames=getattr(args, "frames", None), fps=getattr(args, "fps", None))
+    return out
+
+
 def animate_args(args: argparse.Namespace) -> dict:
     """The Wan-Animate inputs the flags name, read and checked against each other (runtime/animate.py); {} if the
     flags name none."""
@@ -188,6 +215,7 @@ def parser() -> argparse.ArgumentParser:
     _image_args(g)
     _video_args(g)
     _animate_args(g)
+    _forcing_args(g)
     _shape_args(g)
     _denoise_args(g)
     _magcache_args(g)
@@ -280,6 +308,9 @@ def parser() -> argparse.ArgumentParser:
                                                               "(default 16)")
     s.add_argument("--max-steps", type=int, default=1000, metavar="N",
                    help="the most denoising steps a job may ask for, up to 1000; more get 400 (default 1000)")
+    s.add_argument("--max-seconds", type=float, default=60.0, metavar="SECONDS",
+                   help="diffusion forcing bundles: the longest video a job may ask for (`seconds`); longer get 400 "
+                        "(default 60)")
     s.add_argument("--tenant-queue-size", type=int, default=None, metavar="N",
                    help="jobs one tenant may have waiting; more get 429 (default: --queue-size)")
     from .serve.limits import Limits
@@ -351,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     from . import cache, distributed
     from . import intermediates as im
     from .files import check_writable
-    from .pipeline import load
+    from .front import load
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
     if not args.no_cache:
@@ -398,9 +429,17 @@ def run(args: argparse.Namespace) -> int:
 
         raise UserError(f"Wan-Animate bundles run in segments, each of its own steps: use `generate` (with "
                         f"--pose-video and --face-video), not `{args.command}`")
+    if pipe.kind.forcing and args.command in ("encode", "denoise", "calibrate"):
+        from .errors import UserError
+
+        raise UserError(f"diffusion forcing bundles run in segments of per-frame steps: use `generate` (--frames for "
+                        f"the length), not `{args.command}`")
     g = pipe.geometry
     shape = {"size": getattr(args, "size", None), "frames": getattr(args, "frames", None)}
-    if args.command != "decode":  # a shape the bundle lacks fails before any work
+    forced = forcing_args(args, pipe.kind) if args.command == "generate" else {}
+    if pipe.kind.forcing and args.command == "generate":  # --frames is the video's length: runtime/forcing.py plans it
+        shape["frames"] = None
+    elif args.command != "decode":  # a shape the bundle lacks fails before any work
         from . import kinds
 
         if hasattr(args, "video"):  # the commands that read the inputs (denoise takes them encoded)
@@ -417,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
                                    magcache=magcache, low_memory=True, sampler=args.sampler, sigmas=args.sigmas,
                                    **videos, conditioning_scale=args.conditioning_scale, strength=args.strength,
-                                   **animated, **shape)  # one video per process
+                                   **animated, **forced, **shape)  # one video per process
         else:
             video_shapes = [s.video_latent_shape for s in pipe.manifest.shapes]  # what denoise writes
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": video_shapes})[0]["latents"]
@@ -550,7 +589,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from . import distributed
     from .errors import UserError
-    from .pipeline import load
+    from .front import load
     from .serve import follower as mh
     from .serve.access import server_names
     from .serve.limits import Limits
@@ -569,6 +608,8 @@ def serve(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if not 1 <= args.max_steps <= 1000:
         raise UserError(f"--max-steps {args.max_steps} must be in 1..1000")
+    if not 0 < args.max_seconds <= 3600:
+        raise UserError(f"--max-seconds {args.max_seconds} must be a number of seconds in (0, 3600]")
     for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb"):
         value = getattr(args, name)
         if value is None:  # --max-body-mb left out: the bundle's
@@ -612,8 +653,9 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(bundle=args.bundle, keys=keys, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
-                        max_steps=args.max_steps, names=server_names(args.host, args.allowed_host), limits=limits,
-                        webhooks=webhooks, loras=tuple(offered.values()), max_loras=args.max_loras,
+                        max_steps=args.max_steps, max_seconds=args.max_seconds,
+                        names=server_names(args.host, args.allowed_host), limits=limits, webhooks=webhooks,
+                        loras=tuple(offered.values()), max_loras=args.max_loras,
                         lora_affinity_max=args.lora_affinity_max)
     loras = loras_from_args(args)
     if loras:  # a bad adapter fails the command, before the server starts

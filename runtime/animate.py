@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
@@ -34,6 +32,7 @@ from tqdm.auto import tqdm
 from . import video_input
 from .distributed import fetch, is_primary
 from .errors import UserError
+from .noise import seed_noise, segment_noise  # noqa: F401  (segment_noise: also this module's public name)
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -169,32 +168,6 @@ def load_inputs(pose_video: Any, face_video: Any, mode: Any, background_video: A
               for name, v in given.items()}
     check_counts(mode, *[None if f is None else len(f) for f in frames.values()])
     return Inputs(*frames.values())
-
-
-def segment_noise(latents: Any, count: int, shape: tuple[int, ...]) -> list[np.ndarray | None]:
-    """The initial noise of each segment: `latents` is None (every segment's from the seed), one array (the first
-    segment's, as diffusers' `latents`) or a list of one per segment."""
-    if latents is None:
-        return [None] * count
-    given = list(latents) if isinstance(latents, (list, tuple)) else [latents]
-    if isinstance(latents, (list, tuple)) and len(given) != count:
-        raise UserError(f"latents: give one initial noise per segment ({count} here), or one array for the first "
-                        f"segment; got {len(given)}")
-    out: list[np.ndarray | None] = []
-    for i, x in enumerate(given):
-        a = np.asarray(x, np.float32)
-        if a.shape != shape or not np.isfinite(a).all():
-            raise UserError(f"latents {i}: must be finite, of shape {list(shape)} (got {list(a.shape)})")
-        out.append(a)
-    return out + [None] * (count - len(out))
-
-
-def seed_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Segment `index`'s noise from `seed`: the first is what a one-segment run draws (Pipeline.initial_latents)."""
-    key = jax.random.key(seed)
-    if index:
-        key = jax.random.fold_in(key, index)
-    return np.asarray(jax.random.normal(key, shape, jnp.float32))
 
 
 def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",

@@ -17,6 +17,14 @@ configurations map onto these rows:
     animate     WanAnimatePipeline (WanAnimateTransformer3DModel)   Wan2.2-Animate-14B (segments: runtime/animate.py)
     lucy-edit   LucyEditPipeline (TI2V-5B's DiT on 2 x 48 channels)  decart-ai/Lucy-Edit-Dev (edits a source video)
 
+SkyReels-V2 (Skywork; SkyReelsV2Transformer3DModel: Wan 2.1's DiT, its timestep sinusoid in float64, an fps embedding):
+
+    skyreels-t2v    SkyReelsV2Pipeline                              SkyReels-V2-T2V-14B-540P / -720P
+    skyreels-i2v    SkyReelsV2ImageToVideoPipeline (CLIP)           SkyReels-V2-I2V-1.3B-540P / -14B-540P / -720P
+    skyreels-flf2v  skyreels-i2v with pos_embed_seq_len             SkyReels-V2-FLF2V-1.3B-540P
+    skyreels-df     SkyReelsV2DiffusionForcing{,ImageToVideo,       SkyReels-V2-DF-1.3B-540P / -14B-540P / -720P
+                    VideoToVideo}Pipeline: one bundle, any length   (segments: runtime/forcing.py)
+
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
 
@@ -36,6 +44,11 @@ Conditioning modes (how the image enters the denoising loop):
   more latent frame first (the reference image's, dropped before the decode), plus the segment's `pose` latents and
   the face video's `motion` vectors (from the `face_motion` program, for the prompt and, with guidance, for an
   all-black face); the segment loop around it is runtime/animate.py.
+- "forcing": diffusion forcing (SkyReels-V2 DF): every latent frame has its own timestep (`timestep` and `row` are
+  one per frame) and its own sampler state, stepped only where `update` is 1; an image or the frames carried over
+  from the segment before are pinned latent frames, fed to the DiT as they are or lightly re-noised (`noise` times
+  `blend`, addnoise_condition); `causal_block` > 1 makes self-attention block-causal over frames (the asynchronous
+  mode); `fps` is the frame rate the DiT is told. The segment loop around it is runtime/forcing.py.
 - "video_concat": the DiT input is [latents (z), VAE latents of the source video (z)] on the channel axis at every
   step (Lucy Edit): no mask, every token at the step's timestep; the video's frame count is the shape's.
 """
@@ -63,13 +76,15 @@ class Kind:
     fps: int = 16  # the family's native frame rate (the mp4 default)
     steps: int = 50  # the run defaults of diffusers' pipeline (__call__'s num_inference_steps, guidance_scale)
     guidance: float = 5.0
-    video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "required"
+    video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "required" |
+    #                      "extend": a video to continue (diffusion forcing)
+    dit: str = "wan"  # "wan" | "skyreels": the DiT's diffusers class family (export/source.py transformer_class)
 
     @property
     def vae_encode(self) -> str:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
         return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
-                "animate": "video", "video_concat": "video"}[self.conditioning]
+                "animate": "video", "video_concat": "video", "forcing": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -92,7 +107,7 @@ class Kind:
         """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
-                "video_concat": ("condition",)}[self.conditioning]
+                "video_concat": ("condition",), "forcing": FORCING_INPUTS}[self.conditioning]
 
     @property
     def channel_condition(self) -> str:
@@ -107,6 +122,29 @@ class Kind:
     def animate(self) -> bool:
         """Wan-Animate: segments of a pose-driven video (runtime/animate.py), each one bundle shape."""
         return self.conditioning == "animate"
+
+    @property
+    def forcing(self) -> bool:
+        """Diffusion forcing (SkyReels-V2 DF): per-frame timesteps and sampler states, segments of any count
+        (runtime/forcing.py)."""
+        return self.conditioning == "forcing"
+
+    @property
+    def takes_last_image(self) -> bool:
+        """Takes a last image: FLF2V kinds need one; diffusion forcing pins one as the video's last latent frame."""
+        return self.last_image or self.forcing
+
+    @property
+    def loop(self) -> str:
+        """The loop `generate` runs (runtime/front.py): "segment" (one bundle shape, runtime/pipeline.py), "animate"
+        (runtime/animate.py) or "forcing" (runtime/forcing.py)."""
+        return "animate" if self.animate else "forcing" if self.forcing else "segment"
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The denoise variants (DENOISE_VARIANTS) a bundle of this kind holds: all, but diffusion forcing's steps have
+        no MagCache ones (its per-frame timesteps give MagCache's per-step schedule nothing to go by)."""
+        return ("cfg", "cond") if self.forcing else tuple(DENOISE_VARIANTS)
 
     @property
     def block_loop(self) -> bool:
@@ -144,12 +182,17 @@ class Kind:
                 out.append("vae_encode_next")
         rows = [None, *(short_text_lengths(max_sequence_length) if short_prompts else ())]
         out += [cross_kv_program(e, t) for e in range(self.experts) for t in rows]
-        out += [denoise_program(e, v) for e in range(self.experts) for v in DENOISE_VARIANTS]
+        out += [denoise_program(e, v) for e in range(self.experts) for v in self.variants]
         out.append("vae_decode_first")
         if latent_frames > 1:
             out.append("vae_decode_next")
         return tuple(out)
 
+
+# Diffusion forcing's step inputs after (state, kv, timestep, guidance, row), kind.conditioning_inputs: the Gaussian
+# noise of re-noised prefix frames (B, z, T, h, w) and each frame's share of it (T,), each frame's update flag (T,),
+# the causal block size (int32; <= 1: full attention) and the frame rate (int32; the DiT's fps embedding).
+FORCING_INPUTS = ("noise", "blend", "update", "causal_block", "fps")
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("t2v", "Wan 2.1 text-to-video", experts=1, image="none", last_image=False, image_encoder=False,
@@ -174,6 +217,16 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     # Lucy Edit (Decart): an instruction edits a source video; its latents beside the noise at every step.
     Kind("lucy-edit", "Lucy Edit (video editing from an instruction)", experts=1, image="none", last_image=False,
          image_encoder=False, conditioning="video_concat", fps=24, video="required"),
+    # SkyReels-V2 (Skywork): Wan 2.1's DiT fine-tuned; diffusers' SkyReelsV2 pipelines and their run defaults.
+    Kind("skyreels-t2v", "SkyReels-V2 text-to-video", experts=1, image="none", last_image=False, image_encoder=False,
+         conditioning="none", fps=24, guidance=6.0, dit="skyreels"),
+    Kind("skyreels-i2v", "SkyReels-V2 image-to-video (CLIP)", experts=1, image="required", last_image=False,
+         image_encoder=True, conditioning="concat", fps=24, dit="skyreels"),
+    Kind("skyreels-flf2v", "SkyReels-V2 first-last-frame-to-video", experts=1, image="required", last_image=True,
+         image_encoder=True, conditioning="concat", fps=24, dit="skyreels"),
+    Kind("skyreels-df", "SkyReels-V2 diffusion forcing (text, image or video to a video of any length)", experts=1,
+         image="optional", last_image=False, image_encoder=False, conditioning="forcing", fps=24, guidance=6.0,
+         video="extend", dit="skyreels"),
 )}
 
 
@@ -300,7 +353,7 @@ def check_images(kind: Kind, image: object, last_image: object) -> None:
         raise UserError(f"this bundle is {kind.title}: it takes no image (export an image-to-video model for that)")
     if kind.image == "required" and image is None:
         raise UserError(f"this bundle is {kind.title}: it needs an image (--image FILE / image=...)")
-    if last_image is not None and not kind.last_image:
+    if last_image is not None and not kind.takes_last_image:
         raise UserError(f"this bundle is {kind.title}: it takes no last image (that needs a first-last-frame "
                         "model such as Wan2.1-FLF2V)")
     if last_image is not None and image is None:

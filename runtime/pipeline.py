@@ -1,4 +1,7 @@
-"""encode -> denoise -> decode on a bundle, with no torch anywhere."""
+"""encode -> denoise -> decode on a bundle, with no torch anywhere: the one-segment engine.
+
+The loops over segments (Wan-Animate's runtime/animate.py, diffusion forcing's runtime/forcing.py) run above it, on
+its methods; runtime/front.py's `generate` picks the loop by kind. Nothing this module imports imports them."""
 
 from __future__ import annotations
 
@@ -12,19 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import (
-    adapters,
-    animate,
-    conditioning,
-    host_memory,
-    images,
-    kinds,
-    previews,
-    samplers,
-    scheduler,
-    signatures,
-    video_input,
-)
+from . import adapters, conditioning, host_memory, images, kinds, previews, samplers, scheduler, signatures, video_input
 from . import magcache as magcache_rule
 from . import manifest as mf
 from . import settings as st
@@ -204,6 +195,9 @@ class Pipeline:
         frames; it is resized to the shape's size."""
         kinds.check_images(self.kind, image, last_image)
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
+        if self.kind.forcing and (image is not None or video is not None):
+            raise UserError(f"this bundle is {self.kind.title}: its images and videos are pinned latent frames of its "
+                            "segments, which `generate` makes (runtime/forcing.py); encode takes the prompt alone")
         media = self._load_videos(video, mask, reference_images)  # unreadable inputs fail before any program runs
         g = self.shape_for_videos(size, frames, *((media["video"], media["references"]) if media else ()))
         if media is not None:
@@ -361,6 +355,20 @@ class Pipeline:
         """The names of program `program`'s inputs, in the order it takes them."""
         return signatures.call_order(program, self.kind, self.manifest.programs[program]).inputs
 
+    def program_inputs(self, program: str) -> tuple[str, ...]:
+        """The names of program `program`'s inputs, in call order (runtime/signatures.py)."""
+        return self._inputs(program)
+
+    def prompt_kv(self, context: np.ndarray, expert: int, rows: int | None,
+                  extras: dict[str, np.ndarray] | None = None) -> Any:
+        """The cross-attention keys and values of expert `expert` (on the devices) of `context`, the (2B, L, D) prompt
+        then negative prompt embeddings (their first `rows` rows, `text_rows`), and of the CLIP kinds' image
+        embeddings in `extras`: what every denoising step of a run takes as its `kv`, computed once."""
+        if rows is not None:
+            context = context[:, :rows]
+        return self.bundle.call(kinds.cross_kv_program(expert, rows))(
+            context, *[(extras or {})[n] for n in self.kind.kv_inputs[1:]])
+
     def text_rows(self, context: np.ndarray, programs: Sequence[str] = ()) -> int | None:
         """The rows of the (2B, L, D) embeddings `context` that the steps' cross-attention needs keys and values
         of: the shortest T of this bundle's cross_kv_t<T> programs (CPU bundles; export/cross_kv.py) after which
@@ -398,6 +406,9 @@ class Pipeline:
         g = shape or self.geometry
         at = self._at
         if magcache is not None:
+            if "residual" not in self.kind.variants:
+                raise UserError(f"this bundle is {self.kind.title}: MagCache is not for its steps (diffusion forcing's "
+                                "per-frame timesteps give its per-step schedule nothing to go by)")
             if kinds.denoise_program(0, "residual") not in have:
                 raise UserError("this bundle has no MagCache programs (it was exported by an older wan-aot): "
                                 "re-export it to use MagCache")
@@ -519,9 +530,7 @@ class Pipeline:
             text = ("kv", e) if with_kv else variant.cfg
             if text not in contexts_dev:
                 if with_kv:  # once per prompt and expert: every step's cross-attention keys and values
-                    context = contexts[True] if rows is None else contexts[True][:, :rows]
-                    kv_inputs = [context, *[extras[n] for n in self.kind.kv_inputs[1:]]]
-                    contexts_dev[text] = self.bundle.call(kinds.cross_kv_program(e, rows))(*kv_inputs)
+                    contexts_dev[text] = self.prompt_kv(contexts[True], e, rows, extras)
                 else:
                     contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
             values = {"state": state_dev, "kv": contexts_dev[text], "context": contexts_dev[text],
@@ -632,14 +641,14 @@ class Pipeline:
         """float32 frames (B, F, H, W, 3) in [0, 1], at the shape of the latents (the video's: what `denoise`
         returns)."""
         latents = np.asarray(latents, np.float32)
-        g = self.shape_of_latents(latents.shape, video=True)
+        g = self.decode_shape(latents.shape)
         host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
         first = self.bundle.call(self._at("vae_decode_first", g))
         pending, caches = first(latents[:, :, 0:1])
         chunks = []
-        if g.latent_frames > 1:
+        if latents.shape[2] > 1:
             nxt = self.bundle.call(self._at("vae_decode_next", g))
-            for t in range(1, g.latent_frames):
+            for t in range(1, latents.shape[2]):
                 frames, caches = nxt(latents[:, :, t:t + 1], *caches)  # dispatched: runs while the last is copied
                 # Each chunk comes to the host as the next one runs, so the devices never hold more than two chunks'
                 # frames (they come back whole on every device: the 720p x 81 video is 0.9 GB each).
@@ -647,6 +656,22 @@ class Pipeline:
                 pending = frames
         chunks.append(fetch(pending).astype(np.float32))
         return np.concatenate(chunks, axis=1)
+
+    def decode_shape(self, shape: tuple[int, ...]) -> mf.Geometry:
+        """The bundle shape whose VAE decoder decodes video latents of `shape` (B, z, T, h, w): the one they are the
+        video latents of, or (diffusion forcing's videos of any length: the decoder's programs take one latent frame
+        at a time) one of their size, if it decodes more than one frame where T does. UserError otherwise."""
+        shape = tuple(shape)
+        for g in self.manifest.shapes:
+            if shape == g.video_latent_shape:
+                return g
+        if len(shape) == 5:
+            for g in self.manifest.shapes:
+                b, z, _, h, w = g.video_latent_shape
+                if (b, z, h, w) == (shape[0], shape[1], shape[3], shape[4]) and \
+                        (shape[2] == 1 or self._at("vae_decode_next", g) in self.manifest.programs):
+                    return g
+        return self.shape_of_latents(shape, video=True)  # raises, naming the shapes
 
     def unload_before(self, stage: str) -> None:
         """Drop the weights (and compiled calls) that no program of `stage` or a later stage (kinds.PIPELINE_STAGES)
@@ -704,10 +729,7 @@ class Pipeline:
                  sigmas: Sequence[float] | None = None, video: VideoInput | None = None,
                  mask: VideoInput | None = None, reference_images: Sequence[ImageInput] | None = None,
                  conditioning_scale: float | Sequence[float] | None = None, strength: float | None = None,
-                 noise: np.ndarray | None = None, pose_video: VideoInput | None = None,
-                 face_video: VideoInput | None = None, mode: str = "animate",
-                 background_video: VideoInput | None = None, mask_video: VideoInput | None = None,
-                 prev_segment_frames: int = 1,
+                 noise: np.ndarray | None = None,
                  on_step: Callable[[int, int], None] | None = None,
                  on_preview: Callable[[np.ndarray], None] | None = None,
                  loras: Sequence[adapters.LoraSpec] | None = None) -> np.ndarray:
@@ -724,28 +746,15 @@ class Pipeline:
         again. `on_step(done, total)` follows the denoising steps; `on_preview(rgb)` gets each step's estimate of the
         video's middle frame (see `denoise`).
 
-        Wan-Animate bundles (runtime/animate.py): `image` (the character), `pose_video` and `face_video`, `mode`
-        ("animate", or "replace" with `background_video` and `mask_video`), `prev_segment_frames` (1 or 5); the video
-        has the pose video's frame count, made in segments of the shape's frames; `latents` is one initial noise per
-        segment (a list), or the first segment's.
+        One bundle shape, one segment: what runtime/front.py's `generate` runs for the kinds without a loop of their
+        own (kinds.Kind.loop).
 
         `loras`: the LoRA set this run and the later ones use (`use_loras`: (path or name, scale[, expert]) each; `[]`
         none), switched to before anything runs; None keeps the set the weights hold (the one `runtime.load` was given,
-        or the last one a call named)."""
+        or the last one a call named). (runtime/front.py's `generate` switches it before any loop.)"""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
-        if loras is not None:  # before any loop: whichever runs, its programs use the weights of this set
+        if loras is not None:
             self.use_loras(loras)
-        animated = {"pose_video": pose_video, "face_video": face_video, "background_video": background_video,
-                    "mask_video": mask_video}
-        if self.kind.animate:
-            kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
-            return animate.generate(self, prompt, negative_prompt, image, pose_video, face_video, mode,
-                                    background_video, mask_video, prev_segment_frames, seed, steps, guidance,
-                                    flow_shift, guidance_2, sampler, sigmas, latents, progress, magcache, size,
-                                    frames, low_memory, on_step, on_preview)
-        given = [k for k, v in animated.items() if v is not None]
-        if given:
-            raise UserError(f"this bundle is {self.kind.title}: {given[0]} is for Wan-Animate models")
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
         media = self._load_videos(video, mask, reference_images)
         g = self.denoise_shape({}, latents, size, frames) if latents is not None else \

@@ -241,3 +241,33 @@ def test_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
 
 
 test_image.__test__ = False  # a helper, not a test
+
+
+# SkyReels-V2 (runtime/kinds.py's skyreels-* rows): one tiny checkpoint per diffusers pipeline, exported fp32 once per
+# session. The diffusion forcing bundle's shapes are a segment of 17 frames (5 latent frames) and one of 13 (4): the
+# last of three overlapping segments, the asynchronous mode's segment (causal blocks of 2), and image-to-video with a
+# last image (4 + 1 latent frames). The cpu-8 copy (dp=2, sp=2, tp=2) runs the asynchronous mode on 8 fake devices.
+SKYREELS_CASES = {
+    "skyreels-t2v": ("tiny-skyreels-t2v", "64x32", "9", 16, "cpu"),
+    "skyreels-i2v": ("tiny-skyreels-i2v", "48x32", "9", 16, "cpu"),
+    "skyreels-df": ("tiny-skyreels-df", "64x32", "17,13", 16, "cpu"),
+    "skyreels-df-cpu8": ("tiny-skyreels-df", "64x32", "13", 16, "cpu-8"),
+}
+
+
+@pytest.fixture(scope="session")
+def skyreels_checkpoints() -> dict[str, Path]:
+    from export import tiny
+
+    variants = list(dict.fromkeys(v for v, *_ in SKYREELS_CASES.values()))
+    root = shared("skyreels-checkpoints", lambda root: [tiny.save(v, root / v) for v in variants])
+    return {v: root / v for v in variants}
+
+
+@pytest.fixture(scope="session")
+def skyreels_bundles(skyreels_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    root = shared("skyreels-bundles", lambda root: run_modules(*[
+        ["export", "--model", str(skyreels_checkpoints[variant]), "--resolution", res, "--frames", frames, "--dtype",
+         "fp32", "--max-sequence-length", str(max_len), "--target", target, "--out", str(root / case), "-q"]
+        for case, (variant, res, frames, max_len, target) in SKYREELS_CASES.items()]))
+    return {case: root / case for case in SKYREELS_CASES}

@@ -75,3 +75,40 @@ def test_a_bias_per_key_is_the_softmax_of_repeated_keys(direct_limit: int) -> No
     repeated = [np.concatenate([x[:, :, :-1], np.repeat(x[:, :, -1:], m, axis=2)], axis=2) for x in (k, v)]
     np.testing.assert_allclose(np.asarray(out), reference(q, *repeated), atol=2e-6)
     np.testing.assert_allclose(np.asarray(out), reference(q, k, v, bias), atol=2e-6)
+
+
+@pytest.mark.parametrize("direct_limit", [0, 4096 * 4096])
+def test_block_causal_self_attention_matches_a_dense_mask(direct_limit: int) -> None:
+    """Diffusion forcing's asynchronous mode on XLA (CPU, GPU): inside `block_causal`, the hooked attention modules'
+    self-attention masks the keys of later causal blocks (blocked online softmax or direct); the block size is traced
+    (<= 1: full attention, as diffusers)."""
+    import torch
+
+    from export.attention import _CAUSAL, BlockCausal, block_causal
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 60, 8)).astype(np.float32) for _ in range(3))
+    cfg = AttentionConfig(block_q=16, block_kv=8, direct_limit=direct_limit)
+    frame_tokens = 6
+    fn = jax.jit(lambda a, b, c, n: _causal_call(a, b, c, n, frame_tokens, cfg))
+    for n in (1, 2, 3):
+        blocks = np.arange(60) // frame_tokens // n
+        bias = np.where(blocks[None, :] <= blocks[:, None], 0.0, -np.inf) if n > 1 else None
+        np.testing.assert_allclose(np.asarray(fn(q, k, v, jnp.int32(n))), reference(q, k, v, bias), atol=2e-6)
+    module = torch.nn.Linear(1, 1)  # the hooks set the mask around this module's calls only
+    with block_causal([module], BlockCausal(frame_tokens, jnp.int32(2))):
+        assert _CAUSAL.get() is None
+        module.register_forward_pre_hook(lambda *a: seen.append(_CAUSAL.get()))
+        seen: list = []
+        module(torch.zeros(1))
+    assert seen and seen[0] is not None and _CAUSAL.get() is None
+
+
+def _causal_call(q, k, v, n, frame_tokens: int, cfg: AttentionConfig):
+    from export.attention import _CAUSAL, BlockCausal
+
+    token = _CAUSAL.set(BlockCausal(frame_tokens, n))
+    try:
+        return attention(q, k, v, config=cfg)
+    finally:
+        _CAUSAL.reset(token)

@@ -164,3 +164,71 @@ def test_exported_signature(sq, sk, dtype):
     (out,) = exp.out_avals
     assert out.shape == (1, 2, sq, 128) and out.dtype == dtype
     assert "tpu_custom_call" in exp.mlir_module()
+
+
+def causal_reference(q, k, v, frame_tokens: int, block_frames: int, q_offset: int = 0) -> np.ndarray:
+    """Dense block-causal attention in float64: query at global position q_offset + i sees key j when j's block of
+    block_frames frames (frame_tokens tokens each) is not after its own; no mask for block_frames <= 1."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if block_frames > 1:
+        qb = (q_offset + np.arange(q.shape[2])) // frame_tokens // block_frames
+        kb = np.arange(k.shape[2]) // frame_tokens // block_frames
+        s = np.where(kb[None, :] <= qb[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+
+
+@functools.cache
+def causal_kernel(frame_tokens: int):
+    """The interpreted kernel, block-causal over frames of `frame_tokens`; the block size and the queries' offset are
+    traced inputs (one program serves them all, as in a bundle)."""
+    return jax.jit(lambda q, k, v, n, off: flash_attention(q, k, v, blocks=SMALL, interpret=True,
+                                                           causal=(frame_tokens, n, off)))
+
+
+# (Sq, Sk, frame tokens, [(frames per causal block, the queries' offset: a shard of the sequence)])
+CAUSAL = [
+    (300, 300, 20, [(2, 0), (1, 0), (7, 0)]),  # boundaries inside kv sub-blocks; 1: full attention (as diffusers)
+    (150, 600, 30, [(3, 150)]),                # the second quarter of a sequence sharded over sp
+    (520, 520, 8, [(5, 0)]),                   # ragged kv: the last block masked by length and by block
+]
+
+
+@pytest.mark.parametrize("sq,sk,frame_tokens,runs", CAUSAL)
+def test_block_causal_matches_a_dense_mask(sq, sk, frame_tokens, runs):
+    """Diffusion forcing's asynchronous mode: the kernel, skipping the kv blocks after a q block and comparing block
+    ids only across boundaries, gives dense block-causal attention."""
+    q, k, v = inputs(1, 2, sq, sk, 64, seed=sq)
+    for block_frames, q_offset in runs:
+        out = causal_kernel(frame_tokens)(q, k, v, jnp.int32(block_frames), jnp.int32(q_offset))
+        want = causal_reference(q, k, v, frame_tokens, block_frames, q_offset)
+        assert float(np.abs(np.asarray(out) - want).max()) < FP32_ATOL, (block_frames, q_offset)
+
+
+def test_block_causal_skips_the_kv_blocks_after_a_query_block() -> None:
+    """The masked kv blocks are not visited: their index map points at the last block the q block needs (no new DMA)
+    and the kernel body does not run; garbage in them never reaches the output."""
+    blocks, d, sq = SMALL, 64, 512
+    q, k, v = inputs(1, 1, sq, sq, d, seed=5)
+    ft, n = 64, 2  # causal blocks of 128 tokens: q block 0 (rows 0-127) needs kv block 0 only
+    k_ids = flash_tpu.block_ids(jnp.arange(sq), ft, jnp.int32(n))
+    q_ids = k_ids
+    qs = q * (1.0 / np.sqrt(d) * np.log2(np.e))
+    garbage_k, garbage_v = k.at[:, :, 256:].set(jnp.nan), v.at[:, :, 256:].set(jnp.nan)
+    out = flash_tpu._causal_call(qs.reshape(1, sq, d), garbage_k.reshape(1, sq, d), garbage_v.reshape(1, sq, d),
+                                 q_ids, k_ids, blocks, sq, interpret=True)
+    first = np.asarray(out.transpose(0, 2, 1)[:, :128])  # q block 0: kv block 1 (rows 256-511, NaN) never read
+    assert np.isfinite(first).all()
+    want = causal_reference(q, k, v, ft, n)[0, 0, :128]
+    assert float(np.abs(first - want).max()) < FP32_ATOL
+
+
+def test_block_causal_lowers_to_mosaic_for_tpu_at_720p() -> None:
+    """The block-causal kernel lowers to Mosaic for TPU at 720p's 75,600 tokens with the default blocks."""
+    fn = jax.jit(lambda q, k, v, n, off: flash_attention(q, k, v, causal=(1890, n, off)))
+    x = jax.ShapeDtypeStruct((1, 2, 75_600, 128), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+    exp = jax.export.export(fn, platforms=("tpu",))(x, x, x, i, i)
+    assert "tpu_custom_call" in exp.mlir_module()
+    assert exp.out_avals[0].shape == (1, 2, 75_600, 128)

@@ -402,8 +402,8 @@ def test_remix_edit_and_extend_on_vace_and_video_to_video(vace_server, v2v_serve
         assert (made.status, made.remixed_from_video_id) == ("completed", from_id), made.error
     with pytest.raises(openai.BadRequestError) as e:
         client.videos.extend(prompt="more", seconds="0.5625", video=openai.omit, extra_body={"video": {"id": v2v.id}})
-    assert e.value.body["param"] == "video" and "the kinds that extend: ti2v, i2v, i2v-moe, vace, vace-moe" in \
-        e.value.body["message"]
+    assert e.value.body["param"] == "video" and "the kinds that extend: ti2v, i2v, i2v-moe, vace, vace-moe, " \
+        "skyreels-i2v, skyreels-df" in e.value.body["message"]
 
 
 def test_the_playground_takes_a_video_mask_and_references(bundles, vace_server, tmp_path) -> None:

@@ -33,6 +33,7 @@ from benchmarks import (  # noqa: E402
     export_time,
     fewsteps,
     fit,
+    forcing,
     load,
     lora,
     preview,
@@ -57,6 +58,8 @@ MEASURES = {  # name: (module, the question it answers)
     "speedups": (speedups, "CFG-free steps and MagCache: speed-up and fidelity"),
     "vace": (vace, "what VACE's branch costs a denoising step, against text-to-video at the same shape"),
     "animate": (animate, "Wan-Animate: a video of 1, 2 and 4 segments, and where a segment's time goes"),
+    "forcing": (forcing, "diffusion forcing: a video of 1, 2 and 4 segments; the asynchronous mode against the "
+                         "synchronous one"),
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),

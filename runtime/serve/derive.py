@@ -21,6 +21,9 @@ continues the source's last latent frames) is one more row and a branch in `sour
       regenerate      text-to-video without an encoder: the source's settings and seed (a completed video only)
     extensions (the new part begins where the source ends; the result is the source, then the new frames, the
     frames they share once):
+      forcing         diffusion forcing (SkyReels-V2 DF): runtime/forcing.py's video extension, the source's last
+                      `overlap_history` frames pinned (their latents) at the start of a run of any length (`seconds`
+                      up to --max-seconds); the run re-makes those frames, which the result takes from the source
       image           image-to-video kinds with one image: the source's last frame is the image (1 frame shared)
       vace            VACE: the source's last `vace_overlap(F)` frames are kept (mask black) at the start of the new
                       part's F frames, the rest generated (mask white, grey control frames)
@@ -33,6 +36,7 @@ the source has (its first frames), or its fewest (the source's last frame repeat
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +51,10 @@ SOURCE_ROLES = ("source", "remake")  # a derived job's files: the video extended
 DEFAULT_STRENGTH = 0.8
 # What a derived request may set besides its prompt (and seconds, for extensions); the rest comes from the source
 # (its LoRA set too, where this server still offers it: the tenant's adapters are checked as a create request's).
+# Diffusion forcing's settings (offered by DF bundles only) go on from the source's to its extension.
 SETTINGS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift",
-            "sampler", "sigmas", "fps", "conditioning_scale", "lora")
+            "sampler", "sigmas", "fps", "conditioning_scale", "lora", "overlap_history", "ar_step",
+            "causal_block_size", "addnoise_condition")
 # Each route's fields (besides the source: the remix's path, `video` / `video[id]` for the others).
 FIELDS_OF = {"remix": ("prompt", "strength", *SETTINGS), "edit": ("prompt", "size", "strength", *SETTINGS),
              "extend": ("prompt", "seconds", "size", *SETTINGS)}
@@ -72,13 +78,15 @@ def vace_overlap(frames: int) -> int:
 
 REMAKES: tuple[Way, ...] = (
     Way("video_to_video", lambda k, vtv: vtv, noised=True),  # (no other conditioning: the run's `video_latents`)
-    Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate, noised=True,
-        image="first"),
+    # (diffusion forcing has no SDEdit start: its remakes are refused, its extensions are its own way)
+    Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate and not k.forcing,
+        noised=True, image="first"),
     Way("vace", lambda k, vtv: k.vace, noised=True),
     Way("first_frame", lambda k, vtv: k.conditioning == "first_frame", image="first"),
     Way("regenerate", lambda k, vtv: k.conditioning == "none", settings_only=True),
 )
 EXTENDS: tuple[Way, ...] = (
+    Way("forcing", lambda k, vtv: k.forcing),  # the overlap is the run's overlap_history (`extend`)
     Way("image", lambda k, vtv: k.image != "none" and not k.last_image and not k.animate, image="last",
         overlap=lambda frames: 1),
     Way("vace", lambda k, vtv: k.vace, overlap=vace_overlap),
@@ -281,6 +289,8 @@ def extend(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
         raise ApiError(400, "seconds is required: the length of the new part, one of the durations GET /v1/models "
                             "lists", "seconds")
     fields = _inherited(source, offer, given)
+    if w.name == "forcing":
+        return _forcing_extension(body, offer, source, fields)
     fields.pop("conditioning_scale", None) if not offer.kind.vace else None
     size = _size(source, offer, fields, body.form)
     fields["size"] = size
@@ -294,6 +304,37 @@ def extend(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
                             "part shares with the source: ask for a longer one", "seconds")
     params = {"derive": {"op": "extend", "way": w.name, "overlap": overlap}}
     return Body(fields, files, body.form), [("source", source.data)], params
+
+
+def _forcing_extension(body: Body, offer: Offer, source: Source, fields: dict[str, Any]
+                       ) -> tuple[Body, list[tuple[str, bytes]], dict[str, Any]]:
+    """A diffusion forcing extension's job (as runtime.forcing.extend): `seconds` of new video after the source at
+    the bundle's frame rate, so the run makes overlap_history + seconds x fps frames (4k + 1 up), its first
+    overlap_history the source's end made again. The create request names that length by its duration; the segment
+    plan (the source's length included) is checked by schema.parse_request (`source_frames`)."""
+    from .. import forcing
+    from .schema import SECONDS
+
+    seconds = fields["seconds"]
+    value = float(seconds) if isinstance(seconds, str) and re.fullmatch(SECONDS, seconds) else 0.0
+    if not value > 0:
+        raise ApiError(400, f"seconds {seconds!r} is not a duration: give the new part's length in seconds, such as "
+                            '"5"', "seconds")
+    overlap = BY_NAME["overlap_history"].check(fields["overlap_history"], offer, body.form) \
+        if fields.get("overlap_history") is not None else forcing.DEFAULT_OVERLAP
+    fps = offer.defaults.fps
+    frames = forcing.frames_for(overlap / fps + value, fps)
+    fields["seconds"] = f"{(frames - 1) / fps:.6f}"  # a duration schema._forcing_frames reads as `frames` again
+    fields["size"] = _size(source, offer, fields, body.form)
+    params = {"derive": {"op": "extend", "way": "forcing", "overlap": int(overlap)}}
+    return Body(fields, {}, body.form), [("source", source.data)], params
+
+
+def forcing_joined(params: dict[str, Any], source_frames: int, frames: np.ndarray) -> np.ndarray:
+    """A diffusion forcing extension's video from what runtime.forcing returns (the source, then the run's frames,
+    the first overlap_history of which re-make the source's last ones): the source, then the new frames."""
+    shared = params["derive"]["overlap"]
+    return np.concatenate([frames[:source_frames], frames[source_frames + shared:]], axis=0)
 
 
 def finish(params: dict[str, Any], added: dict[str, Any], source: Source, extra: list[tuple[str, bytes]]) -> None:

@@ -114,6 +114,10 @@ class Model(_Strict):
     mask: bool = Field(description="takes a mask video (VACE)")
     animate: bool = Field(description="Wan-Animate: takes pose_video and face_video (and for replace "
                                       "background_video, mask_video); the video is as long as the pose video")
+    forcing: bool = Field(description="diffusion forcing (SkyReels-V2 DF): `seconds` of any duration up to "
+                                      "max_seconds, made in overlapping segments; extends videos")
+    max_seconds: float | None = Field(None, description="diffusion forcing: the longest video a job may ask for "
+                                                        "(serve --max-seconds); absent for other kinds")
     reference_images: list[int] = Field(description="the counts of reference images it serves (VACE; [0] else)")
     video_to_video: bool
     experts: int
@@ -182,7 +186,7 @@ def derived_request(offer: Offer, op: str) -> dict[str, Any]:
     """The request body of a remix ("remix": JSON, as the SDK sends it), an edit ("edit") or an extension ("extend"):
     JSON with `video` as {"id": ...} or a data URL, or a form with `video` (a file) or `video[id]`."""
     from .derive import DEFAULT_STRENGTH, REMAKES, offered, way
-    from .schema import file_schema
+    from .schema import SECONDS, file_schema
 
     names = offered(op, offer)
     uploads = op == "extend" or not getattr(way(REMAKES, offer), "settings_only", True)  # else ids only
@@ -191,7 +195,9 @@ def derived_request(offer: Offer, op: str) -> dict[str, Any]:
         props = {name: BY_NAME[name].schema(offer, form) for name in names}
         if "strength" in props:
             props["strength"]["default"] = DEFAULT_STRENGTH
-        if "seconds" in props:  # the new part's: a duration of the size (the source's, unless `size` says)
+        if "seconds" in props and offer.kind.forcing:  # the new part's: any duration (diffusion forcing)
+            props["seconds"]["pattern"] = SECONDS
+        elif "seconds" in props:  # the new part's: a duration of the size (the source's, unless `size` says)
             props["seconds"]["enum"] = list(dict.fromkeys(s for size in offer.sizes for s in offer.durations(size)))
         required = ["prompt"] + (["seconds"] if op == "extend" else [])
         schema: dict[str, Any] = {"type": "object", "properties": props, "required": required,

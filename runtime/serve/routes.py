@@ -289,8 +289,9 @@ def model_card(state: State, tenant: str | None = None) -> dict[str, Any]:
     created = int(manifest.stat().st_mtime) if manifest.is_file() else 0  # when the bundle was written
     return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
             "bundle_id": pipe.bundle_id, "kind": pipe.kind.name, "title": pipe.kind.title,
-            "image": pipe.kind.image, "last_image": pipe.kind.last_image, "video": state.offer.video_reference,
-            "mask": pipe.kind.vace, "animate": pipe.kind.animate,
+            "image": pipe.kind.image, "last_image": pipe.kind.takes_last_image, "video": state.offer.video_reference,
+            "mask": pipe.kind.vace, "animate": pipe.kind.animate, "forcing": pipe.kind.forcing,
+            **({"max_seconds": state.offer.max_seconds} if pipe.kind.forcing else {}),
             "reference_images": list(state.offer.reference_counts),
             "video_to_video": m.video_to_video, "experts": pipe.kind.experts, "fps": fps,
             "defaults": {"steps": state.offer.steps, "guidance": m.defaults.guidance,
@@ -423,7 +424,8 @@ def _derive(state: State, store: JobStore, body: Body, tenant: str, op: str, ref
         made, extra, added = (derive.extend if op == "extend" else derive.remake)(body, offer, source)
         try:
             params = parse_request(made, offer, state.pipe, state.settings.magcache.to_json()
-                                   if state.settings.magcache is not None else None)
+                                   if state.settings.magcache is not None else None,
+                                   len(source.frames) if added["derive"].get("way") == "forcing" else None)
         except ApiError as e:  # what the source gave the job is the request's `video`
             if e.param in ("input_reference", "last_image"):
                 e.param, e.message = "video", e.message.replace("input_reference", "the video")

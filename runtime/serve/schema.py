@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import animate, kinds, samplers
+from .. import animate, forcing, kinds, samplers
 from ..errors import UserError
 from ..manifest import Defaults, Manifest
 from ..settings import MAX_SEED
@@ -47,6 +47,7 @@ SIGMA_MIN = 1e-6  # the smallest custom sigma: shifted by any flow shift in rang
 MAX_FPS = 240
 POLL_AFTER_MS = 250  # what the openai SDK's poll helpers wait between retrieves
 MAX_FILES = 16  # file parts in one form
+DEFAULT_MAX_SECONDS = 60.0  # diffusion forcing bundles: the longest video a job may ask for (`serve --max-seconds`)
 
 
 def seconds_of(frames: int, fps: int) -> str:
@@ -68,20 +69,23 @@ class Offer:
     reference_counts: tuple[int, ...] = (0,)  # VACE: the counts of reference images its programs serve
     loras: tuple[Any, ...] = ()  # the LoRA adapters offered (--lora-dir), runtime.lora.Adapter each
     max_loras: int = lora_api.MAX_LORAS  # the most adapters one request may name (--max-loras)
+    max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing: the longest video a job may ask for
 
     @classmethod
     def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS, adapters: tuple[Any, ...] = (),
-           max_loras: int = lora_api.MAX_LORAS) -> Offer:
+           max_loras: int = lora_api.MAX_LORAS, max_seconds: float = DEFAULT_MAX_SECONDS) -> Offer:
         return cls(models=tuple(dict.fromkeys((name, manifest.bundle_id))),
                    shapes=tuple(dict.fromkeys((g.size, g.frames) for g in manifest.shapes)),
                    kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
                    video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts),
-                   loras=tuple(adapters), max_loras=max_loras)
+                   loras=tuple(adapters), max_loras=max_loras, max_seconds=max_seconds)
 
     @property
     def video_reference(self) -> bool:
-        """input_reference is a video (VACE's control video, video-to-video's source), not an image."""
-        return self.kind.video != "none" or self.video_to_video
+        """input_reference is a video (VACE's control video, video-to-video's source, Lucy Edit's), not an image. (A
+        diffusion forcing bundle's input_reference is the first frame; its videos to extend go to POST
+        /v1/videos/extensions.)"""
+        return self.kind.video in ("optional", "required") or self.video_to_video
 
     @property
     def takes_video(self) -> bool:
@@ -297,7 +301,8 @@ FIELDS: tuple[Field, ...] = (
           mismatch="size {value!r} is not one this bundle makes: it makes {choices}"),
     Field("seconds", "string", "The duration, one of those GET /v1/models lists for the size (frames at the "
           "bundle's frame rate); left out, the default shape's frame count. `fps` sets the rate the mp4 plays at, "
-          "not the frame count.", offered=lambda o: not o.kind.animate,
+          "not the frame count. Diffusion forcing bundles make any duration up to the server's max_seconds (GET "
+          "/v1/models), in overlapping segments of the size's longest shape.", offered=lambda o: not o.kind.animate,
           refusal=lambda o: "a Wan-Animate video is as long as its pose video: leave seconds out"),
     Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), the "
           "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles, and "
@@ -307,7 +312,8 @@ FIELDS: tuple[Field, ...] = (
           accepts=lambda o: "video" if o.video_reference else "image",
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image or video (export an image-to-video, "
                             "VACE or video-to-video model for that)"),
-    Field("last_image", "file", "The last frame (first-last-frame bundles).", offered=lambda o: o.kind.last_image,
+    Field("last_image", "file", "The last frame (first-last-frame and diffusion forcing bundles).",
+          offered=lambda o: o.kind.takes_last_image,
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no last image (that needs a "
                             "first-last-frame model such as Wan2.1-FLF2V)"),
     Field("mask", "file", "VACE: the mask video, white = generate, black = keep (one frame per video frame).",
@@ -338,6 +344,22 @@ FIELDS: tuple[Field, ...] = (
           enum=lambda o: [p for p in animate.PREV_FRAMES if any(n >= 2 * p + 1 for _, n in o.shapes)],
           offered=lambda o: o.kind.animate, mismatch="prev_segment_frames must be one of {choices}, got {value!r}",
           refusal=lambda o: f"prev_segment_frames is for Wan-Animate; this bundle is {o.kind.title}"),
+    Field("overlap_history", "integer", "Diffusion forcing: the frames each segment takes from the one before.",
+          param="overlap_history", minimum=1, maximum=lambda o: max(n for _, n in o.shapes) - 1,
+          default=lambda o: forcing.DEFAULT_OVERLAP, offered=lambda o: o.kind.forcing,
+          refusal=lambda o: f"overlap_history is for diffusion forcing models; this bundle is {o.kind.title}"),
+    Field("ar_step", "integer", "Diffusion forcing, the asynchronous mode: each causal block of frames starts this "
+          "many steps after the one before (0: all at once). Needs causal_block_size.", param="ar_step", minimum=0,
+          maximum=lambda o: o.max_steps, default=lambda o: 0, offered=lambda o: o.kind.forcing,
+          refusal=lambda o: f"ar_step is for diffusion forcing models; this bundle is {o.kind.title}"),
+    Field("causal_block_size", "integer", "Diffusion forcing: latent frames per causal block of block-causal "
+          "attention; must divide every segment's latent frames.", param="causal_block_size", minimum=1,
+          maximum=lambda o: max(n for _, n in o.shapes), offered=lambda o: o.kind.forcing,
+          refusal=lambda o: f"causal_block_size is for diffusion forcing models; this bundle is {o.kind.title}"),
+    Field("addnoise_condition", "number", "Diffusion forcing: re-noise the frames carried over between segments to "
+          "this timestep (20 is diffusers' recommendation).", param="addnoise_condition", minimum=0, maximum=999,
+          default=lambda o: 0, offered=lambda o: o.kind.forcing,
+          refusal=lambda o: f"addnoise_condition is for diffusion forcing models; this bundle is {o.kind.title}"),
     Field("conditioning_scale", "number", "VACE: the scale of the VACE branch's hints.", param="conditioning_scale",
           minimum=0, maximum=100, default=lambda o: 1.0, offered=lambda o: o.kind.vace,
           refusal=lambda o: f"conditioning_scale is for VACE models; this bundle is {o.kind.title}"),
@@ -391,7 +413,9 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     # The rules between fields, as alternatives (anyOf, all of them holding: allOf) rather than not / if-then-else,
     # which fuzzers' generators work around by validating what they drew (schemathesis cannot validate file parts).
     rules = [NOT_BOTH_STEP_COUNTS]  # sigmas set the step count: a request gives one or the other
-    if "seconds" in schema["properties"]:
+    if offer.kind.forcing:  # any duration up to the server's limit, checked against the segment plan at once
+        schema["properties"]["seconds"]["pattern"] = SECONDS
+    elif "seconds" in schema["properties"]:
         rules.append(_seconds_schema(offer, schema["properties"]["seconds"]))
     if offer.kind.animate:  # replace takes a background and a mask video, animate neither
         rules.append({"anyOf": [
@@ -401,6 +425,7 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     return schema
 
 
+SECONDS = r"^[0-9]{1,6}(\.[0-9]{1,6})?$"  # a diffusion forcing bundle's durations: a decimal number of seconds
 NOT_BOTH_STEP_COUNTS = {"anyOf": [{"properties": {"sigmas": False}}, {"properties": {"num_inference_steps": False}}]}
 
 
@@ -437,9 +462,11 @@ MEDIA_ROLES = {"input_reference": "image", "last_image": "last_image", "mask": "
 VIDEO_ROLES = ("video", "mask", "pose_video", "face_video", "background_video", "mask_video")
 
 
-def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None) -> dict[str, Any]:
+def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None,
+                  source_frames: int | None = None) -> dict[str, Any]:
     """The job's params from a create request, checked as the CLI checks its flags; an ApiError(400) naming the
-    field otherwise."""
+    field otherwise. `source_frames`: a diffusion forcing extension's source video's frames (derive.py), which its
+    segment plan starts from."""
     for name in [*body.fields, *body.files]:
         f = BY_NAME.get(name)
         if f is None:
@@ -463,7 +490,10 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
     params.update(negative_prompt=values.get("negative_prompt", ""), seed=values.get("seed", 0), steps=steps,
                   size=values.get("size", offer.sizes[0]), fps=values.get("fps", offer.defaults.fps))
     media = _check_media(body.files, offer)
-    params["frames"] = _frames(params["size"], values.get("seconds"), offer, media.get("video_frames"))
+    if offer.kind.forcing:
+        params["frames"] = _forcing_frames(values.get("seconds"), offer)
+    else:
+        params["frames"] = _frames(params["size"], values.get("seconds"), offer, media.get("video_frames"))
     params["seconds"] = seconds_of(params["frames"], params["fps"])  # the mp4's duration, at the request's fps
     segments = None
     if offer.kind.animate:  # as long as the pose video, in segments of the shape's frames
@@ -510,6 +540,21 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
         raise ApiError(400, f"{segments.count} segments of {s.steps} steps are {segments.count * s.steps} steps, more "
                             f"than this server runs ({offer.max_steps}): a shorter pose video or fewer steps",
                        "pose_video")
+    if offer.kind.forcing:  # the segment plan this length makes on the bundle's shapes, and its steps
+        if "last_image" in body.files and "input_reference" not in body.files:
+            raise ApiError(400, "last_image needs the first frame too (input_reference)", "last_image")
+        try:
+            lay = forcing.layout(pipe, params["size"], None, params["frames"], params.get("overlap_history"),
+                                 params.get("ar_step") or 0, params.get("causal_block_size"),
+                                 params.get("addnoise_condition") or 0, len(body.files.get("input_reference", []))
+                                 + len(body.files.get("last_image", [])), source_frames)
+        except forcing.InputError as e:
+            field = "seconds" if e.field == "num_frames" else e.field
+            raise ApiError(400, str(e).replace("num_frames", "seconds"), field) from None
+        rows = sum(lay.rows(s.steps))
+        if rows > offer.max_steps:
+            raise ApiError(400, f"{len(lay.plan.segments)} segments of {s.steps} steps are {rows} DiT steps, more than "
+                                f"this server runs ({offer.max_steps}): fewer seconds or fewer steps", "seconds")
     return params
 
 
@@ -534,6 +579,24 @@ def _frames(size: str, seconds: str | None, offer: Offer, video_frames: int | No
         raise ApiError(400, f"seconds {seconds!r} is not a duration this bundle makes at {size}: it makes {made} at "
                             f"{offer.defaults.fps} fps (leave seconds out for the default)", "seconds")
     return durations[seconds]
+
+
+def _forcing_frames(seconds: str | None, offer: Offer) -> int:
+    """A diffusion forcing bundle's frame count for `seconds` at the bundle's frame rate: the 4k + 1 at or above
+    seconds x fps (left out: the default shape's); ApiError(400) past the server's max_seconds."""
+    if seconds is None:
+        return offer.shapes[0][1]
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf or not re.fullmatch(SECONDS, seconds):
+        raise ApiError(400, f"seconds {seconds!r} is not a duration: give a number of seconds such as \"10\"",
+                       "seconds")
+    if value > offer.max_seconds:
+        raise ApiError(400, f"seconds {seconds} is longer than this server makes ({offer.max_seconds:g} s, its "
+                            "--max-seconds)", "seconds")
+    return forcing.frames_for(value, offer.defaults.fps)
 
 
 def _check_media(files: dict[str, list[bytes]], offer: Offer) -> dict[str, Any]:

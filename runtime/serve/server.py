@@ -84,7 +84,7 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     sock = listen(host, port)
     try:
         offer = Offer.of(mf.read(settings.bundle), settings.bundle.resolve().name, min(settings.max_steps, MAX_STEPS),
-                         settings.loras, settings.max_loras)
+                         settings.loras, settings.max_loras, settings.max_seconds)
         store = open_store(settings.jobs_dir, settings.queue, settings.videos_url, settings.lease)
     except BaseException:
         sock.close()

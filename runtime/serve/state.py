@@ -14,7 +14,7 @@ from .jobs import JobStore
 from .lease import DEFAULT_STALL_S
 from .limits import Limits, Slots
 from .loras import AFFINITY_MAX, MAX_LORAS
-from .schema import MAX_STEPS, Offer
+from .schema import DEFAULT_MAX_SECONDS, MAX_STEPS, Offer
 from .tenants import Keys
 from .webhooks import Config as WebhookConfig
 
@@ -33,6 +33,7 @@ class Settings:
     stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
     ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
     max_steps: int = MAX_STEPS  # the most denoising steps a job may ask for (MAX_STEPS at most)
+    max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing bundles: the longest video a job may ask for
     names: Names = field(default_factory=Names)  # the Host names requests may use (access.py); default: any
     limits: Limits = field(default_factory=Limits)  # timeouts and sizes (limits.py)
     webhooks: WebhookConfig = field(default_factory=WebhookConfig)  # --webhook-url/-secret/-allow (webhooks.py)

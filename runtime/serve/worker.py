@@ -64,6 +64,23 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         on_stage(stage)
         check()
 
+    if pipe.kind.forcing:  # any length, in overlapping segments: runtime/forcing.py
+        source = media.pop("_source", None)  # an extension's (derive.py's "forcing" way): the video continued
+        check()
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
+                               last_image=media.get("last_image"), video=source, num_frames=params["frames"],
+                               overlap_history=params.get("overlap_history"), ar_step=params.get("ar_step") or 0,
+                               causal_block_size=params.get("causal_block_size"),
+                               addnoise_condition=params.get("addnoise_condition") or 0, fps=params["fps"],
+                               seed=s.seed, steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift,
+                               sampler=s.sampler, sigmas=s.sigmas, progress=False, size=params.get("size"),
+                               on_step=steps_done, on_preview=on_preview)[0]
+        if source is not None:  # the source, then the new part after the frames it re-decodes (those shared)
+            frames = derive.forcing_joined(params, len(source), frames)
+        stage_done("decode")
+        if video is not None:
+            write_video(frames, video, fps=params["fps"])
+        return frames
     if pipe.kind.animate:  # every segment: runtime/animate.py
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
                                pose_video=media.get("pose_video"), face_video=media.get("face_video"),

@@ -55,6 +55,15 @@ def _spec_animate_1_3b() -> dict[str, Any]:
             "image_encoder": {**animate["image_encoder"], "num_hidden_layers": 1}}
 
 
+def _spec_df_1_3b() -> dict[str, Any]:
+    """SkyReels-V2-DF-1.3B-540P's widths: the 1.3B DiT with its fps embedding (random weights), run by diffusion
+    forcing; the 1.3b workload's text encoder and the real VAE."""
+    from export.architectures import ARCHITECTURES
+
+    return {**_spec_1_3b(), "transformer": dict(ARCHITECTURES["skyreels-v2-df-1.3b-540p"]["transformer"]),
+            "pipeline": "skyreels-df", "flow_shift": 8.0}
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and a shape that a benchmark runs, built once under --work (a diffusers checkpoint, then bundles)."""
@@ -82,6 +91,8 @@ WORKLOADS = {w.name: w for w in (
              _spec_vace_1_3b, 128, 128, 9),
     Workload("animate-1.3b", "Wan2.2-Animate's parts at the 1.3b workload's widths (512x512 faces), a 1-layer CLIP "
              "ViT-H; 9-frame segments", _spec_animate_1_3b, 128, 128, 9),
+    Workload("df-1.3b", "SkyReels-V2-DF-1.3B's widths (the 1.3b workload's DiT with the fps embedding), diffusion "
+             "forcing in 21-frame segments (6 latent frames)", _spec_df_1_3b, 128, 128, 21),
 )}
 
 

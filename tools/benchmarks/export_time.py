@@ -29,6 +29,9 @@ MODELS = {
     # one 77-frame segment (diffusers' default), its steps one program each (no block loop), the face_motion program
     "Animate-14B from names": ("wan2.2-animate-14b", 1280, 720, 77, 45, ["--no-weights"],
                                ("cpu", "cpu-8", *ACCELERATORS)),
+    # SkyReels-V2-DF-14B-720P: a 121-frame segment (diffusers' base_num_frames at 720p), any length in segments
+    "DF-14B-720P from names": ("skyreels-v2-df-14b-720p", 1280, 720, 121, 97, ["--no-weights"],
+                               ("cpu", "cpu-8", *ACCELERATORS)),
 }
 TARGETS = ("cpu", "cpu-8", *ACCELERATORS)
 SHAPES = (("tiny", "cpu"), ("14B from names", "tpu-v6e-8"))

@@ -78,10 +78,15 @@ function showModel(card) {
   $("image-label").textContent = card.animate ? "Character image" : "Image (first frame)";
   $("animate-fields").hidden = !card.animate;
   $("pose-video").required = $("face-video").required = Boolean(card.animate);
-  $("duration-field").hidden = Boolean(card.animate); // as long as the pose video
+  $("duration-field").hidden = Boolean(card.animate || card.forcing); // as long as the pose video; any length
+  $("forcing-fields").hidden = !card.forcing;
+  if (card.forcing) {
+    $("df-seconds").max = String(card.max_seconds);
+    $("df-seconds").placeholder = model.shapes[0].seconds;
+  }
   $("image").required = card.image === "required";
   $("last-image-field").hidden = !card.last_image;
-  $("last-image").required = card.last_image;
+  $("last-image").required = card.image === "required" && card.last_image; // diffusion forcing: optional
   $("loras").replaceChildren();
   $("lora-field").hidden = !(card.loras && card.loras.length);
   updateAddLora();
@@ -165,6 +170,8 @@ async function generate(event) {
   if (model.animate) {
     fields.mode = $("mode").value;
     fields.prev_segment_frames = Number($("prev-frames").value);
+  } else if (model.forcing) {
+    if ($("df-seconds").value !== "") fields.seconds = $("df-seconds").value;
   } else {
     fields.seconds = $("duration").value;
   }
@@ -172,6 +179,10 @@ async function generate(event) {
   if (model.experts > 1) numbers.guidance_scale_2 = "guidance-2";
   if (model.video_to_video) numbers.strength = "strength";
   if (model.mask) numbers.conditioning_scale = "conditioning";
+  if (model.forcing) {
+    Object.assign(numbers, { overlap_history: "overlap-history", ar_step: "ar-step", causal_block_size: "causal-block",
+      addnoise_condition: "addnoise" });
+  }
   for (const [name, id] of Object.entries(numbers)) {
     if ($(id).value !== "") fields[name] = Number($(id).value);
   }

@@ -1,0 +1,81 @@
+"""`pipe.generate`: the one front that picks a kind's loop.
+
+runtime/pipeline.py is the one-segment engine (encode -> denoise -> decode of one bundle shape). The loops over
+segments run above it, on its methods: Wan-Animate's (runtime/animate.py) and diffusion forcing's
+(runtime/forcing.py). `runtime.load` returns this module's `Pipeline`, the engine whose `generate` hands the call to
+the loop of the bundle's kind (kinds.Kind.loop), keywords as they are: each loop takes the keywords it knows, and
+those of another kind's loop are refused in one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import adapters, animate, forcing
+from . import manifest as mf
+from . import pipeline as engine
+from .bundle import open_bundle
+from .errors import UserError
+
+# The keywords only one loop takes, and what they are for (a bundle of another kind refuses them).
+LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "animate": ("Wan-Animate models", ("pose_video", "face_video", "mode", "background_video", "mask_video",
+                                        "prev_segment_frames")),
+    "forcing": ("diffusion forcing models (SkyReels-V2 DF)", ("num_frames", "overlap_history", "ar_step",
+                                                              "causal_block_size", "addnoise_condition", "fps")),
+}
+
+# The engine's keywords a loop does not take: given, they are refused in one line; None, dropped.
+NOT_TAKEN: dict[str, tuple[str, ...]] = {
+    "animate": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
+    "forcing": ("mask", "reference_images", "conditioning_scale", "strength", "noise"),
+}
+
+
+class Pipeline(engine.Pipeline):
+    """A loaded bundle (runtime/pipeline.py's engine) whose `generate` runs its kind's loop."""
+
+    def generate(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "", *args: Any,
+                 **kwargs: Any) -> np.ndarray:
+        """prompt (+ images, videos) -> frames (B, F, H, W, 3) float32 in [0, 1], by the bundle kind's loop:
+
+        - one bundle shape (engine.Pipeline.generate): every kind without a loop of its own;
+        - Wan-Animate (runtime/animate.py `generate`): `image`, `pose_video`, `face_video`, `mode`, ...;
+        - diffusion forcing (runtime/forcing.py `generate`): `num_frames` of any length, `overlap_history`,
+          `ar_step`, `causal_block_size`, `addnoise_condition`, `image`, `last_image`, `video`, `latents` (one initial
+          noise per segment), `fps`.
+
+        The shared keywords (seed, steps, guidance, flow_shift, sampler, sigmas, size, frames, progress, low_memory,
+        on_step, ...) mean the same everywhere; `loras` (the LoRA set, engine.Pipeline.use_loras) is switched to
+        before any loop runs."""
+        loop = self.kind.loop
+        loras = kwargs.pop("loras", None)
+        for other, (what, names) in LOOP_KEYWORDS.items():
+            given = [n for n in names if kwargs.get(n) is not None]
+            if other != loop and given:
+                raise UserError(f"this bundle is {self.kind.title}: {given[0]} is for {what}")
+        for name in NOT_TAKEN.get(loop, ()):
+            if name in kwargs and kwargs.pop(name) is not None:
+                raise UserError(f"this bundle is {self.kind.title}: it takes no {name.replace('_', ' ')}")
+        if loras is not None:  # before any loop: whichever runs, its programs use the weights of this set
+            self.use_loras(loras)
+        return LOOPS[loop](self, prompt, negative_prompt, *args, **kwargs)
+
+
+LOOPS: dict[str, Callable[..., np.ndarray]] = {
+    "segment": engine.Pipeline.generate,
+    "animate": animate.generate,
+    "forcing": forcing.generate,
+}
+
+
+def load(path: str | Path, verify: bool = True, loras: Sequence[adapters.LoraSpec] | None = None,
+         lora_dir: str | Path | None = None) -> Pipeline:
+    """Open the bundle at `path` as runtime/pipeline.py's `load` does (every file checked against the manifest's
+    sha256; `loras` merged at load, `lora_dir` the adapters a call may name), as this module's `Pipeline`."""
+    named = adapters.scan(Path(lora_dir), mf.read(Path(path))) if lora_dir is not None else None
+    return Pipeline(open_bundle(path, verify=verify, loras=loras, named=named), loras, named)
