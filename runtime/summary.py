@@ -71,7 +71,7 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
 
 def _takes(kind: kinds.Kind) -> str:
     image = {"none": "", "optional": " [+ image]", "required": " + image"}[kind.image]
-    video = {"none": "", "optional": " [+ video]", "required": " + video"}[kind.video]
+    video = {"none": "", "optional": " [+ video]", "required": " + video", "extend": " [+ video to extend]"}[kind.video]
     return "prompt" + image + (" + last image" if kind.last_image else "") + video
 
 

@@ -286,3 +286,13 @@ def test_steps_take_the_prompts_keys_and_values_instead_of_projecting_them(kind_
         assert "blocks.0.attn2.to_q.weight" in step_reads
         assert not {k for k in step_reads if projections.match(k)}, name
         assert "kv" in pipe.manifest.programs[name].inputs and "context" not in pipe.manifest.programs[name].inputs
+
+
+def test_every_kind_says_what_it_takes() -> None:
+    """`inspect`'s model line names a kind's inputs from its row: every value a row may hold has its words (a
+    diffusion forcing bundle's video to extend once had none, and inspect failed on it)."""
+    from runtime import kinds, summary
+
+    takes = {name: summary._takes(kind) for name, kind in kinds.KINDS.items()}
+    assert takes["t2v"] == "prompt" and takes["skyreels-df"] == "prompt [+ image] [+ video to extend]"
+    assert takes["lucy-edit"].endswith(" + video") and takes["vace"].endswith(" [+ video]")
