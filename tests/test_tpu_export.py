@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import re
-import time
 from pathlib import Path
 
 import jax
@@ -38,24 +37,21 @@ CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --
     # Wan-Animate: one 77-frame segment, the face_motion program, face adapters split and quantized like attention
     "animate-14b-720p-v6e-8": ("wan2.2-animate-14b", "720p", "tpu-v6e-8", 8, 40, 77, "int8"),
 }
-EXPORT_SECONDS = 120  # the bound for one of these exports on this 2-core machine
 
 
 @pytest.fixture(scope="module")
 def tpu_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tpu")
 
-    def export(case: str) -> float:
+    def export(case: str) -> None:
         arch, res, target, _, _, frames, quantize = CASES[case]
-        t0 = time.perf_counter()
         quant = ["--quantize", quantize] if quantize else []
         run_module("export", "--model", arch, "--no-weights", "--resolution", res, "--frames", str(frames),
                    "--target", target, "--out", str(root / case), "-q", *quant)
-        return time.perf_counter() - t0
 
-    # two at a time, each still within the bound while sharing the machine
-    seconds = dict(zip(CASES, in_parallel(*[functools.partial(export, case) for case in CASES])))
-    assert all(s < EXPORT_SECONDS for s in seconds.values()), seconds
+    # two at a time. How long an export takes is a benchmark's to say (tools/bench.py export, BENCHMARKS.md section
+    # 3), not a test's: a bound in seconds failed every test here whenever the machine was busy.
+    in_parallel(*[functools.partial(export, case) for case in CASES])
     return {case: root / case for case in CASES}
 
 
