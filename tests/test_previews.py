@@ -98,7 +98,7 @@ def test_the_preview_writer_keeps_only_the_latest() -> None:
     t0 = time.perf_counter()
     for i in range(50):
         writer.offer(np.full((2, 3, 3), i, np.uint8))
-    assert time.perf_counter() - t0 < 1.0  # offering is a hand-over, not a store
+    assert time.perf_counter() - t0 < 4.0  # a hand-over, not a store: one blocked store would wait 5 s
     gate.set()
     writer.close()
     assert 2 <= len(stored) <= 4 and writer.written == len(stored)
