@@ -156,6 +156,13 @@ def _attend_rows(refs: tuple, num_rows: int, step: int, masked_tail: bool, ids: 
         _attend_sub_block(*refs, full * step, step, tail, ids)
 
 
+def _reset(m_ref, l_ref, acc_ref) -> None:
+    """The online softmax's running max, sum and output, before a q block's first kv block."""
+    m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+
 def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
                   num_kv_blocks: int, block_kv_compute: int, last_block_rows: int) -> None:
     """Grid step (head, q block i, kv block j); ``last_block_rows`` real kv rows in the last block."""
@@ -163,11 +170,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
     block_kv = k_ref.shape[0]
     refs = (q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref)
 
-    @pl.when(j == 0)
-    def _init() -> None:
-        m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
-        l_ref[...] = jnp.zeros_like(l_ref)
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    pl.when(j == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     if last_block_rows == block_kv:
         _attend_rows(refs, block_kv, block_kv_compute, masked_tail=False)
@@ -229,11 +232,7 @@ def _causal_kernel(q_lo, q_hi, k_lo, k_hi, kv_last, q_ref, k_ref, v_ref, qid_ref
     block_kv = k_ref.shape[0]
     refs = (q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref)
 
-    @pl.when(j == 0)
-    def _init() -> None:
-        m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
-        l_ref[...] = jnp.zeros_like(l_ref)
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    pl.when(j == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     def attend(ids: tuple | None) -> None:
         if last_block_rows == block_kv:
