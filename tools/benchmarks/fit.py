@@ -4,6 +4,7 @@ program compiled by XLA's TPU compiler on this machine, and its per-device peak 
     python tools/bench.py fit                      # the cases below, on tpu-v5e-8 and tpu-v6e-8 (+ v6e-16 for the A14B)
     python tools/bench.py fit --case wan2.1-t2v-14b:720p:81 --target tpu-v6e-8
     python tools/bench.py fit --case wan2.1-t2v-14b:720p:81@tpu-v6e-8 wan2.2-t2v-a14b:720p:81:int8@tpu-v6e-16
+    python tools/bench.py fit --from a.json b.json  # one table from earlier runs' --json (nothing compiled)
 
 No TPU is needed and nothing runs (--repeats does not apply). Each fit runs in a fresh process, one at a time. The
 programs several bundles share byte for byte (UMT5-XXL's, the VAE decoder's at one size) compile once per slice:
@@ -19,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .common import Report, Table, add_common, export, log, spawn
+from .common import Report, Table, Usage, add_common, export, log, spawn
 
 # (architecture, resolution, frames, quantize), targets
 CASES: list[tuple[tuple[str, str, int, str | None], tuple[str, ...]]] = [
@@ -127,9 +128,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", nargs="+", help="ARCH:RESOLUTION:FRAMES[:QUANTIZE][@TARGET] ... (default: the standard "
                    "cases)")
     p.add_argument("--target", nargs="+", help="targets for a --case without @TARGET (default tpu-v5e-8 tpu-v6e-8)")
+    p.add_argument("--from", dest="from_json", nargs="+", type=Path, metavar="JSON",
+                   help="compile nothing: the tables of the cases in these earlier runs' --json files, in order (the "
+                        "cases take 15-40 CPU minutes each on 2 cores, so a table is often several runs')")
 
 
 def run(a: argparse.Namespace) -> Report:
+    if a.from_json:
+        results = []
+        for path in a.from_json:
+            try:
+                results += json.loads(path.read_text())["raw"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise Usage(f"--from {path}: not a `tools/bench.py fit --json` file ({e})") from None
+        return Report(tables(results), results)
     if a.case:
         cases = []
         for text in a.case:
