@@ -114,6 +114,9 @@ def tables(results: list[dict[str, Any]]) -> list[Table]:
         big.add(name + (f", {quantize}" if quantize else ""), r["target"], _gib(block.get("temp_bytes", 0)),
                 _gib(block.get("argument_bytes", 0)), _gib(vae.get("temp_bytes", 0)),
                 _gib(vae.get("argument_bytes", 0)), "yes" if block.get("kernel") else "no")
+    total = sum(p["compile_cpu_s"] for r in results if "programs" in r for p in r["programs"].values())
+    t.notes.append(f"All {len(results)} bundles' programs: {total:.0f} CPU s ({total / 3600:.1f} h) of compiling on "
+                   "this machine, a program several bundles share counted in each.")
     t.notes.append("Peak (serve): every stage resident, as `runtime serve` and the Python API hold a bundle; "
                    "peak (generate): one `runtime generate`, which drops each stage's weights once it is past it. "
                    "Weights from the manifest's shapes and shardings; everything else (arguments, temporaries, "
