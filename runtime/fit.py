@@ -223,7 +223,20 @@ COMPILER_FIELDS = ("compile_s", "compile_cpu_s", "argument_bytes", "temp_bytes",
                    "alias_bytes", "flops", "bytes_accessed", "kernel")  # what compiling a file tells (the memo's)
 
 
-def _compile(bundle: Any, name: str, part: str, target: str) -> dict[str, Any]:
+def refusal(where: str, target: mf.Target, error: BaseException | str) -> str:
+    """The one line for a program the TPU compiler refuses: its own message, and what would help. Out of HBM here
+    means the program's own temporaries: a smaller working set per chip helps (quantized weights would not)."""
+    text = one_line(error).rstrip(".")
+    if "vmem" in text.lower():
+        hint = " (lower --flash-block-q/-kv at export)"
+    elif "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        hint = f"; try {', '.join(_helps(None, targets.chip(target), target))}"
+    else:
+        hint = ""
+    return f"the TPU compiler refuses {where} for {target.name}: {text}{hint}"
+
+
+def _compile(bundle: Any, name: str, part: str) -> dict[str, Any]:
     """Compile program `name`'s `part` and read what the compiler says of it (COMPILER_FIELDS)."""
     import jax
 
@@ -231,9 +244,7 @@ def _compile(bundle: Any, name: str, part: str, target: str) -> dict[str, Any]:
     try:
         compiled = bundle.compile(name, part)
     except jax.errors.JaxRuntimeError as e:
-        where = name if not part else f"{name} ({part})"
-        hint = " (lower --flash-block-q/-kv at export)" if "vmem" in str(e).lower() else ""
-        raise DoesNotFit(f"the TPU compiler refuses {where} for {target}: {one_line(e)}{hint}") from None
+        raise DoesNotFit(refusal(name if not part else f"{name} ({part})", bundle.manifest.target, e)) from None
     seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -270,7 +281,7 @@ def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None =
             exp = bundle.program(name, part)
             stats = None if memo is None else memo.get(memo_key(ref, topology))
             if stats is None:
-                stats = _compile(bundle, name, part, m.target.name)
+                stats = _compile(bundle, name, part)
                 if memo is not None:
                     memo[memo_key(ref, topology)] = stats
             # the arguments as this bundle places them (the weights a program does not use have no sharding in it,
@@ -459,15 +470,18 @@ def _peak_text(p: Moment) -> str:
             f"the rest {_gib(p.total - sum(p.weights.values()))})")
 
 
+def _helps(m: mf.Manifest | None, chip: targets.Chip, target: mf.Target | None) -> list[str]:
+    """What would make a bundle fit: int8 weights where `m` is a bf16 bundle, then a larger slice, fewer frames, a
+    smaller shape."""
+    helps = ["--quantize int8"] if m is not None and m.quantize is None else []
+    bigger = f"tpu-{chip.name}-{2 * target.num_devices}" if target is not None else "a larger slice"
+    return [*helps, f"a larger slice ({bigger})", "fewer frames", "a smaller shape"]
+
+
 def _advice(m: mf.Manifest | None, what: str, hbm: int, chip: targets.Chip, target: mf.Target | None = None) -> str:
     target = target or (m.target if m else None)
-    helps = []
-    if m is not None and m.quantize is None:
-        helps.append("--quantize int8")
-    bigger = f"tpu-{chip.name}-{2 * target.num_devices}" if target is not None else "a larger slice"
-    helps += [f"a larger slice ({bigger})", "fewer frames", "a smaller shape"]
     return (f"{target.name if target else 'the bundle'} ({chip.name}, {_gib(hbm)} HBM per chip) does not fit: {what}; "
-            f"try {', '.join(helps)}")
+            f"try {', '.join(_helps(m, chip, target))}")
 
 
 RECORD = "fit.json"  # what `fit --record` and `export --fit` leave in the bundle, for `inspect` and `verify`

@@ -200,3 +200,28 @@ def test_the_default_flash_blocks_compile_for_the_tightest_chip() -> None:
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, "tpu-v4-8"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr[-3000:]
+
+
+OUT_OF_HBM = """
+import jax, jax.numpy as jnp
+from runtime import fit, targets
+t = targets.get("tpu-v5e-8")
+mesh, _ = fit.compile_only_mesh(t)
+x = jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
+try:  # 16 GiB of float32 to sort: more temporaries than a v5e chip's HBM
+    jax.jit(lambda x: jnp.sort(jnp.outer(x, x), axis=0)[0]).lower(x).compile()
+except jax.errors.JaxRuntimeError as e:
+    print(fit.refusal("denoise_step", t, e))
+"""
+
+
+def test_a_program_the_compiler_refuses_for_hbm_is_one_line_with_what_helps() -> None:
+    """Where the TPU compiler itself runs out of HBM (a program's temporaries, as the 14B VACE head on v5e-8 in
+    BENCHMARKS.md section 6), fit's line keeps the compiler's figures and says what would help."""
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_HBM], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.fullmatch(r"the TPU compiler refuses denoise_step for tpu-v5e-8: RESOURCE_EXHAUSTED: Ran out of memory "
+                        r"on HBM, the total memory required for HLO temporaries \(32\.00G\) exceeds available HBM "
+                        r"\(15\.75G\); try a larger slice \(tpu-v5e-16\), fewer frames, a smaller shape",
+                        proc.stdout.strip()), proc.stdout
