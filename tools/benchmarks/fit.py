@@ -94,7 +94,8 @@ def tables(results: list[dict[str, Any]]) -> list[Table]:
     t = Table("does it fit? every program compiled for the slice by XLA's TPU compiler (per device, GiB)",
               ["model, shape", "stored as", "target (slice)", "programs", "compile CPU s", "weights", "peak (serve)",
                "where", "peak (generate)", "HBM", "fits"])
-    big = Table("the largest working sets (per device, GiB): a DiT block (CFG batch) and the VAE decoder's next chunk",
+    big = Table("the largest working sets (per device, GiB): a DiT block (denoise_block_1) and the VAE decoder's next "
+                "chunk",
                 ["model, shape", "target", "DiT block temp", "DiT block args", "VAE decode temp", "VAE decode args",
                  "Mosaic in the block"])
     for r in results:
