@@ -129,8 +129,8 @@ def frame_modulated_forward(blk: Any, hidden_states: Any, encoder_hidden_states:
     """SkyReelsV2TransformerBlock.forward for diffusion forcing, given temb (B, 6, T, dim), one row per latent frame,
     which it repeats over each frame's tokens one modulation at a time. diffusers' model repeats temb over the tokens
     before its blocks, and the block then adds the modulation table to the whole (B, 6, T x tokens, dim) in float32:
-    the compiler kept that sum. The DF-14B-720P's block at 720p x 121 on tpu-v6e-8 (dp=2, tp=4: the tokens are not
-    split) held 19.2 GiB of temporaries per device that way, 8.1 GiB this way (a Wan 14B block of that shape: 3.1).
+    the compiler kept that sum. The DF-14B-720P's denoise_block_1 at 720p x 121 on tpu-v6e-8 (dp=2, tp=4: the
+    tokens are not split) held 19.2 GiB of temporaries per device that way, 4.6 GiB this way (BENCHMARKS.md 11).
     The same arithmetic in the same dtypes as diffusers' block, so the same values (tests/test_skyreels.py)."""
     b, n, dim = hidden_states.shape
     frames = temb.shape[2]
