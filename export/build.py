@@ -580,12 +580,10 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
             if not kind.block_loop:  # one program per variant
                 add_program(name, "transformer", step, inputs, outputs, output_partition=tuple(out_partition))
                 continue
-            # A VACE head's hints (VACE layers, B, S, dim) split over tp on dim too, each block gathering its one
-            # hint where it adds it: the 14B's 8 at 720p x 81 are 6.2 GB per device whole, and its head on
-            # tpu-v5e-8 needed 22.0 GiB of temporaries with them whole, 15.9 split
-            cfg = src.transformer_config
-            width = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
-            hints = PartitionSpec(None, *hidden[:-1], "tp" if width % target.mesh["tp"] == 0 else None)
+            # A VACE head's hints (VACE layers, B, S, dim) split over tp on dim too (it divides: check_dit made the
+            # heads divide), each block gathering its one hint where it adds it: the 14B's 8 at 720p x 81 are 6.2 GB
+            # per device whole, and its head on tpu-v5e-8 needed 22.0 GiB of temporaries with them whole, 15.9 split
+            hints = PartitionSpec(None, *hidden[:-1], "tp")
             if batch not in heads:  # the step up to the first block is the same for every variant of this batch
                 carry = denoise_blocks.Carry()
                 scale_at = list(inputs).index("control_scale") if kind.vace else None

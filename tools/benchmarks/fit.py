@@ -134,7 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", nargs="+", help="targets for a --case without @TARGET (default tpu-v5e-8 tpu-v6e-8)")
     p.add_argument("--from", dest="from_json", nargs="+", type=Path, metavar="JSON",
                    help="compile nothing: the tables of the cases in these earlier runs' --json files, in order (the "
-                        "cases take 15-40 CPU minutes each on 2 cores, so a table is often several runs')")
+                        "cases take 15-80 CPU minutes each on 2 cores, so a table is often several runs')")
 
 
 def run(a: argparse.Namespace) -> Report:
