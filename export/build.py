@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime import images, kinds, samplers
 from runtime import scheduler as sched
@@ -582,14 +582,18 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
                 continue
             # A VACE head's hints (VACE layers, B, S, dim) split over tp on dim too (it divides: check_dit made the
             # heads divide), each block gathering its one hint where it adds it: the 14B's 8 at 720p x 81 are 6.2 GB
-            # per device whole, and its head on tpu-v5e-8 needed 22.0 GiB of temporaries with them whole, 15.9 split
-            hints = PartitionSpec(None, *hidden[:-1], "tp")
+            # per device whole. Its head on tpu-v5e-8 needed 22.0 GiB of temporaries with them whole, 15.9 with the
+            # stack split, 3.4 with each hint scaled and split as its VACE block makes it (denoise_blocks.head)
+            hint = PartitionSpec(*hidden[:-1], "tp")
+            hints = PartitionSpec(None, *hint)
             if batch not in heads:  # the step up to the first block is the same for every variant of this batch
                 carry = denoise_blocks.Carry()
                 scale_at = list(inputs).index("control_scale") if kind.vace else None
                 head_outputs = denoise_blocks.VACE_HEAD_OUTPUTS if kind.vace else denoise_blocks.HEAD_OUTPUTS
                 head, carried = write_program(name, "transformer",
-                                              denoise_blocks.head(ex, own_step, carry, scale_at, kind.forcing),
+                                              denoise_blocks.head(ex, own_step, carry, scale_at, kind.forcing,
+                                                                  NamedSharding(abstract_mesh(target), hint)
+                                                                  if kind.vace else None),
                                               own_inputs, head_outputs,
                                               output_partition=(hidden, PartitionSpec(), PartitionSpec(),
                                                                 *([hints] if kind.vace else [])))

@@ -63,12 +63,14 @@ def vace_index(module: Any) -> list[int]:
 
 
 def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | None = None,
-         per_frame: bool = False) -> Callable[..., tuple[jax.Array, ...]]:
+         per_frame: bool = False, hint_sharding: Any = None) -> Callable[..., tuple[jax.Array, ...]]:
     """fn(weights, *step inputs) -> (hidden, temb, rope): the first block's arguments (RoPE's tables stacked). A VACE
     model's (`scale_at`: the position of control_scale among the step inputs) also returns its VACE blocks' hints
-    times their scales. `per_frame` (diffusion forcing, whose blocks get a modulation per token): temb is one per
-    latent frame, (B, 6, T, dim), before diffusers repeats it over each frame's tokens (`block` repeats it there):
-    the (B, 6, S, dim) the blocks see would be S / T times larger (13.7 GB at 14B, 720p x 121 frames)."""
+    times their scales, each scaled and split as `hint_sharding` says where its block makes it: stacked first, the
+    8 hints of the 14B at 720p x 81 were held whole (the head needed 15.9 GiB of temporaries on tpu-v5e-8, 3.4 so).
+    `per_frame` (diffusion forcing, whose blocks get a modulation per token): temb is one per latent frame,
+    (B, 6, T, dim), before diffusers repeats it over each frame's tokens (`block` repeats it there): the
+    (B, 6, S, dim) the blocks see would be S / T times larger (13.7 GB at 14B, 720p x 121 frames)."""
 
     def fn(weights: dict[str, Any], *inputs: jax.Array) -> tuple[jax.Array, ...]:
         box: dict[str, Any] = {}
@@ -95,9 +97,11 @@ def head(ex: Extracted, step: Callable[..., Any], carry: Carry, scale_at: int | 
         carry.rope_tuple = isinstance(rope, (tuple, list))
         out = (hidden, temb, jnp.stack(rope if carry.rope_tuple else [rope]))
         if vace:  # as the model adds them: control_hint * scale, in the model dtype
-            stacked = jnp.stack(ex.env.t2j_iso(hints))
-            scale = inputs[scale_at].astype(stacked.dtype)
-            out += ((stacked * scale[:, None, None, None]).astype(stacked.dtype),)
+            scale = inputs[scale_at]
+            scaled = [(h * scale[j].astype(h.dtype)).astype(h.dtype) for j, h in enumerate(ex.env.t2j_iso(hints))]
+            if hint_sharding is not None:
+                scaled = [jax.lax.with_sharding_constraint(h, hint_sharding) for h in scaled]
+            out += (jnp.stack(scaled),)
         return out
 
     return fn
