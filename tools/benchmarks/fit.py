@@ -9,14 +9,16 @@ program compiled by XLA's TPU compiler on this machine, and its per-device peak 
 No TPU is needed and nothing runs (--repeats does not apply). Each fit runs in a fresh process, one at a time. The
 programs several bundles share byte for byte (UMT5-XXL's, the VAE decoder's at one size) compile once per slice:
 their figures are kept in --work/fit/memo.json by the file's sha256, the topology and libtpu's version, so a second
-run compiles only what changed. Compile time is reported in CPU seconds (the process's, summed over its programs):
-wall seconds depend on what else the machine runs.
+run compiles only what changed; it is saved after each program, so a run stopped half way resumes there. Compile
+time is reported in CPU seconds (the process's, summed over its programs): wall seconds depend on what else the
+machine runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,16 @@ def fit_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     """One `runtime fit` in this fresh process; the memo's entries in and out."""
     from runtime import fit
 
-    memo = json.loads(Path(a["memo"]).read_text()) if Path(a["memo"]).is_file() else {}
+    memo_path = Path(a["memo"])
+    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     before = set(memo)
+
+    def compiled(c: Any) -> None:
+        log(f"  {c.key}: {c.compile_cpu_s:.0f} CPU s")
+        save_memo(memo_path, {k: v for k, v in memo.items() if k not in before})
+
     try:  # every program compiled, whatever the chip's HBM: a bundle that does not fit still gets its figures
-        report = fit.fit(Path(a["bundle"]), memo=memo, hbm_gib=float(1 << 20),
-                         on_compiled=lambda c: log(f"  {c.key}: {c.compile_cpu_s:.0f} CPU s"))
+        report = fit.fit(Path(a["bundle"]), memo=memo, hbm_gib=float(1 << 20), on_compiled=compiled)
         out = report.to_json()
         out["hbm_bytes"] = int(report.chip.hbm_gib * GIB)
         out["fits"] = {mode: p.total <= out["hbm_bytes"] for mode, p in report.peaks.items()}
@@ -53,6 +60,15 @@ def fit_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     out["memo"] = {k: v for k, v in memo.items() if k not in before}
     out["compiled_here"] = len(out["memo"])
     return out
+
+
+def save_memo(path: Path, new: dict[str, Any]) -> None:
+    """Merge `new` into the memo file (other runs may have added theirs since it was read)."""
+    memo = json.loads(path.read_text()) if path.is_file() else {}
+    memo.update(new)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memo))
+    tmp.replace(path)
 
 
 def bundle_for(work: Path, case: tuple[str, str, int, str | None], target: str) -> Path:
@@ -70,11 +86,7 @@ def measure(work: Path, case: tuple[str, str, int, str | None], target: str) -> 
     bundle = bundle_for(work, case, target)
     log(f"fitting {bundle.name}")
     result = spawn("fit:fit_child", {"bundle": str(bundle), "memo": str(memo_path)})
-    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
-    memo.update(result.pop("memo"))
-    tmp = memo_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(memo))
-    tmp.replace(memo_path)
+    save_memo(memo_path, result.pop("memo"))
     return {"case": list(case), "target": target, **result}
 
 
