@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -69,6 +70,42 @@ def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True
     if check and proc.returncode != 0:
         raise AssertionError(f"python -m {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_processes(args: list[str], processes: int = 2, devices: int = 4, timeout: float = 300) -> None:
+    """`python -m runtime ARGS --coordinator ... --num-processes N --process-id i` for i < N, each with `devices`
+    fake CPU devices, joined over loopback by jax.distributed. All are awaited together (their output to files: one
+    blocked on a full pipe would hold the others in a collective) and all are killed if one fails or the time runs
+    out, so that no process outlives its test."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONPATH": str(ROOT),
+           "JAX_PLATFORMS": "cpu"}
+    with tempfile.TemporaryDirectory() as logs:
+        errs = [Path(logs) / f"{i}.err" for i in range(processes)]
+        procs = []
+        for i, err in enumerate(errs):
+            with err.open("w") as f:
+                procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *args, "--coordinator",
+                                               f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id",
+                                               str(i)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=f))
+        try:
+            deadline = time.monotonic() + timeout
+            for i, p in enumerate(procs):
+                try:
+                    code = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{processes} processes did not finish in {timeout:.0f} s; process {i}:\n"
+                                         f"{errs[i].read_text()[-3000:]}") from None
+                assert code == 0, f"process {i} failed ({code}):\n{errs[i].read_text()[-3000:]}"
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 def run_cli(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -6,9 +6,6 @@ the server and what bad input says."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +14,7 @@ import pytest
 import runtime
 from runtime.errors import UserError
 
-from .conftest import ROOT, in_parallel, run_cli, run_module, run_modules, test_image
+from .conftest import ROOT, in_parallel, run_cli, run_module, run_modules, run_processes, test_image
 from .test_lora import wan_format_lora
 from .test_video_in import _mask, _mp4, _video, _write_frames
 
@@ -115,8 +112,6 @@ def test_same_frames_on_1_device_8_devices_and_2_processes(bundles, tmp_path) ->
     """Two segments through the CLI (a folder of pose frames, an mp4 face video) on the one-device bundle, the cpu-8
     bundle on 8 devices, and on 2 processes x 4 (jax.distributed over loopback): the same frames (1e-5), and the
     mp4 at the bundle's 30 fps."""
-    import socket
-
     from safetensors.numpy import load_file
 
     test_image(48, 40, seed=4).save(tmp_path / "me.png")
@@ -129,17 +124,8 @@ def test_same_frames_on_1_device_8_devices_and_2_processes(bundles, tmp_path) ->
                 lambda: run_module("runtime", "generate", str(bundles["cpu8"]), *args, "--out",
                                    str(tmp_path / "eight.mp4"), "--frames-out", str(tmp_path / "eight.safetensors"),
                                    env=_devices(8)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, **_devices(4), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(bundles["cpu8"]), *args, "--out",
-                               str(tmp_path / "two.mp4"), "--frames-out", str(tmp_path / "two.safetensors"),
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    for p, (_, err) in zip(procs, [p.communicate(timeout=300) for p in procs]):
-        assert p.returncode == 0, err[-3000:]
+    run_processes(["generate", str(bundles["cpu8"]), *args, "--out", str(tmp_path / "two.mp4"), "--frames-out",
+                   str(tmp_path / "two.safetensors")])
     one, eight, two = (load_file(str(tmp_path / f"{n}.safetensors"))["frames"] for n in ("one", "eight", "two"))
     assert one.shape == (1, 14, HEIGHT, WIDTH, 3)
     assert np.abs(one - eight).max() <= 1e-5 and np.abs(eight - two).max() <= 1e-5

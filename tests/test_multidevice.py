@@ -6,14 +6,13 @@ the two processes join over loopback with jax.distributed (gloo collectives).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from .conftest import ROOT, in_parallel, run_cli, run_module
+from .conftest import ROOT, in_parallel, run_cli, run_module, run_processes
 
 FP32_TOL = 1e-5  # max abs difference in frames (values in [0, 1]) between device layouts
 GEN = ("--prompt", "a robot dancing in the rain", "--steps", "4", "--seed", "7", "-q")
@@ -29,12 +28,6 @@ def _frames(path: Path) -> np.ndarray:
     return load_file(str(path))["frames"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_same_frames_on_1_device_8_devices_and_2_processes(fp32_bundles, cpu8_bundle: Path, tmp_path: Path) -> None:
     one, eight = tmp_path / "one.safetensors", tmp_path / "eight.safetensors"
     in_parallel(lambda: run_module("runtime", "generate", str(fp32_bundles["tiny-64x32-f9"]), *GEN, "--out",
@@ -43,18 +36,7 @@ def test_same_frames_on_1_device_8_devices_and_2_processes(fp32_bundles, cpu8_bu
                                    "--frames-out", str(eight), env=_devices(8)))
 
     two = tmp_path / "two.safetensors"
-    port = _free_port()
-    env = {**_devices(4), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    import os
-
-    procs = [subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(cpu8_bundle), *GEN,
-                               "--out", str(tmp_path / "two.mp4"), "--frames-out", str(two),
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    results = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    run_processes(["generate", str(cpu8_bundle), *GEN, "--out", str(tmp_path / "two.mp4"), "--frames-out", str(two)])
 
     a, b, c = _frames(one), _frames(eight), _frames(two)
     assert a.shape == b.shape == c.shape == (1, 9, 32, 64, 3)

@@ -21,7 +21,7 @@ from export.prequantized import diffusers_names
 from runtime import manifest as mf
 from runtime.magcache import MagCache
 
-from .conftest import CASES, KIND_CASES, ROOT, in_parallel, run_cli, run_module, run_modules
+from .conftest import CASES, KIND_CASES, ROOT, in_parallel, run_cli, run_module, run_modules, run_processes
 
 sys.path.insert(0, str(ROOT / "tools"))
 import quality  # noqa: E402  (tools/quality.py: the fidelity measure the bounds are stated in)
@@ -164,11 +164,11 @@ def test_sharded_equals_single_device(mode, checkpoints, quant_bundles, tmp_path
     """On 8 fake devices (dp=2, sp=2, tp=2) the scales split with their rows and the latents equal one device's."""
     from safetensors.numpy import load_file
 
-    from .test_multidevice import GEN, _devices, _free_port
+    from .test_multidevice import GEN
 
     res, frames, max_len = _case("t2v")
     cpu8 = tmp_path / "cpu8"
-    port, frames_out = _free_port(), {n: tmp_path / f"frames{n}.safetensors" for n in (1, 2)}
+    frames_out = {n: tmp_path / f"frames{n}.safetensors" for n in (1, 2)}
 
     def latents(n: int, bundle: Path) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
@@ -192,14 +192,8 @@ def test_sharded_equals_single_device(mode, checkpoints, quant_bundles, tmp_path
     assert "tp" in out[8]["spec"]
     np.testing.assert_allclose(out[8]["lat"], out[1]["lat"], rtol=0, atol=1e-5)
     # and on 2 processes x 4 devices (jax.distributed over loopback): each host places its own shards
-    env = {**os.environ, **_devices(4), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-m", "runtime", "generate", str(cpu8), *GEN, "--out",
-                               str(tmp_path / "two.mp4"), "--frames-out", str(frames_out[2]), "--coordinator",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+    run_processes(["generate", str(cpu8), *GEN, "--out", str(tmp_path / "two.mp4"), "--frames-out",
+                   str(frames_out[2])])
     a, b = (load_file(str(frames_out[n]))["frames"] for n in (1, 2))
     assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
 
