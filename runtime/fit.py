@@ -288,12 +288,15 @@ def compile_bundle(bundle: Any, on_compiled: Callable[[Compiled], None] | None =
             # but are passed as the group's layout says)
             weights, *avals = bundle._abstract(name, part)
             names = list(signatures.call_order(name, kind, spec).inputs) if not part else []
-            if not part and spec.blocks is not None:
+            if not part and spec.blocks is not None and not spec.blocks.head_takes_shared:  # VACE's head takes kv
                 names = [n for n in names if n not in spec.blocks.shared]
             if part == "block":
                 shared = list(spec.blocks.shared)
                 names = [""] * (len(avals) - len(shared) - 1) + shared + ["layer"]
             names += [""] * (len(avals) - len(names))
+            wrong = [n for n, a in zip(names, avals) if n in spec.inputs and tuple(spec.inputs[n].shape) != a.shape]
+            if wrong:  # the peak adds inputs by name (held between steps or not): a misnamed one is counted wrong
+                raise AssertionError(f"{key}: inputs {wrong} paired with another input's shape")
             c = Compiled(key=key, program=name, part=part, **{k: stats[k] for k in COMPILER_FIELDS},
                          weight_bytes=sum(_nbytes(a, a.sharding) for a in weights.values()),
                          inputs=[(n, _nbytes(a, a.sharding)) for n, a in zip(names, avals)],
