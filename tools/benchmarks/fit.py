@@ -39,7 +39,7 @@ GIB = 1 << 30
 
 
 def fit_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
-    """One `runtime fit` in this fresh process; the memo's entries in and out."""
+    """One `runtime fit` in this fresh process; the memo read, and saved with each program it compiles."""
     from runtime import fit
 
     memo_path = Path(a["memo"])
@@ -57,8 +57,8 @@ def fit_child(a: dict[str, Any], spawned: float) -> dict[str, Any]:
         out["fits"] = {mode: p.total <= out["hbm_bytes"] for mode, p in report.peaks.items()}
     except fit.DoesNotFit as e:  # the compiler refused a program
         out = {"refused": str(e)}
-    out["memo"] = {k: v for k, v in memo.items() if k not in before}
-    out["compiled_here"] = len(out["memo"])
+    save_memo(memo_path, new := {k: v for k, v in memo.items() if k not in before})  # a refusal's figures too
+    out["compiled_here"] = len(new)
     return out
 
 
@@ -86,7 +86,6 @@ def measure(work: Path, case: tuple[str, str, int, str | None], target: str) -> 
     bundle = bundle_for(work, case, target)
     log(f"fitting {bundle.name}")
     result = spawn("fit:fit_child", {"bundle": str(bundle), "memo": str(memo_path)})
-    save_memo(memo_path, result.pop("memo"))
     return {"case": list(case), "target": target, **result}
 
 
