@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import runtime
 import runtime.manifest as mf
 
-from .conftest import CASES, KIND_CASES, run_module, run_modules
+from .conftest import CASES, KIND_CASES, OnDemand, run_module, run_modules
 
 
 def _files(bundle: Path) -> dict[str, str]:
@@ -18,17 +19,26 @@ def _files(bundle: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def bare(checkpoints, kind_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Programs without weights (--no-weights), exported two at a time: the tiny checkpoint in fp32 and bf16 (as
-    tiny-64x32-f9), and the image-to-video kinds (as conftest's kind bundles). Tests attach into copies."""
+def bare(checkpoints, kind_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
+    """Programs without weights (--no-weights): the tiny checkpoint in fp32 and bf16 (as tiny-64x32-f9), and the
+    image-to-video kinds (as conftest's kind bundles); those the default run uses exported at once, two at a time, the
+    others when first asked for. Tests attach into copies."""
     root = tmp_path_factory.mktemp("bare")
     _, res, frames, max_len = CASES["tiny-64x32-f9"]
     cases = {dtype: (checkpoints["tiny"], res, frames, max_len, dtype) for dtype in ("fp32", "bf16")}
     cases.update({kind: (kind_checkpoints[kind], *KIND_CASES[kind][1:], "fp32") for kind in ("i2v", "i2v-moe")})
-    run_modules(*[["export", "--model", str(ckpt), "--resolution", res, "--frames", str(frames), "--dtype", dtype,
-                   "--max-sequence-length", str(max_len), "--no-weights", "--out", str(root / name), "-q"]
-                  for name, (ckpt, res, frames, max_len, dtype) in cases.items()])
-    return {name: root / name for name in cases}
+    def command(name: str) -> list[str]:
+        ckpt, res, frames, max_len, dtype = cases[name]
+        return ["export", "--model", str(ckpt), "--resolution", res, "--frames", str(frames), "--dtype", dtype,
+                "--max-sequence-length", str(max_len), "--no-weights", "--out", str(root / name), "-q"]
+
+    def export(name: str) -> Path:  # the slow tier's variants (bf16, i2v), when first asked for
+        run_module(*command(name))
+        return root / name
+
+    run_modules(*[command(name) for name in ("fp32", "i2v-moe")])
+    return OnDemand({name: functools.partial(export, name) for name in cases},
+                    done={name: root / name for name in ("fp32", "i2v-moe")})
 
 
 def _copy(bundle: Path, to: Path) -> Path:
@@ -36,7 +46,7 @@ def _copy(bundle: Path, to: Path) -> Path:
     return to
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])  # bf16: a variant
 def test_attached_bundle_equals_a_direct_export(bare, checkpoints, fp32_bundles, bf16_bundle, tmp_path: Path,
                                                 dtype: str) -> None:
     """Tracing on `meta` tensors gives the same programs, and attaching gives the same weight files
@@ -75,7 +85,7 @@ def test_attaching_twice_needs_force(checkpoints, fp32_bundles, tmp_path: Path) 
     assert proc.returncode == 2 and "needs --weights" in proc.stderr
 
 
-@pytest.mark.parametrize("kind", ["i2v", "i2v-moe"])
+@pytest.mark.parametrize("kind", [pytest.param("i2v", marks=pytest.mark.slow), "i2v-moe"])  # i2v-moe: image + 2 experts
 def test_attach_for_image_and_two_expert_models(kind: str, bare, kind_checkpoints, kind_bundles,
                                                  tmp_path: Path) -> None:
     """The CLIP image encoder, the second expert and the VAE encoder are attached like the rest."""

@@ -20,7 +20,7 @@ import pytest
 from runtime import fit, targets
 from runtime import manifest as mf
 
-from .conftest import ROOT, blocked_run, in_parallel, run_cli, run_module
+from .conftest import PLAIN_XLA, ROOT, blocked_run, in_parallel, run_cli, run_module
 
 # target, topology, HBM GiB, frames (v5e: one frame, so no vae_decode_next, the slowest program to compile; v6e has
 # every program)
@@ -28,6 +28,9 @@ CASES = {"v6e-8": ("tpu-v6e-8", "v6e:2x4", 32, 5), "v5e-8": ("tpu-v5e-8", "v5e:2
 TINY = ["--model", "tiny-wide", "--no-weights", "--resolution", "32x32", "-q"]
 GOLDEN = ROOT / "artifacts" / "golden" / "schema-9" / "bundle"  # a CPU bundle
 GIB = 1 << 30
+# What compiles for TPU here runs with the environment's own XLA flags, not the suite's cheap CPU ones (conftest):
+# fit measures the compiled programs.
+TPU_ENV = {"XLA_FLAGS": PLAIN_XLA}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def reports(bundles: dict[str, Path]) -> dict[str, dict]:
     """`runtime fit --json` of each bundle (the v6e one with --record), two at a time."""
     procs = in_parallel(*[functools.partial(run_module, "runtime", "fit", str(bundles[case]), "--json",
-                                            *(["--record"] if case == "v6e-8" else []), check=False)
+                                            *(["--record"] if case == "v6e-8" else []), check=False, env=TPU_ENV)
                           for case in CASES])
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -111,7 +114,8 @@ def _one_line(proc: subprocess.CompletedProcess, code: int) -> str:
 
 def test_a_budget_too_small_fails_naming_the_program(bundles: dict[str, Path]) -> None:
     """2 MiB holds the tiny model's weights but not the first program's working set: exit 1 after that program."""
-    line = _one_line(run_module("runtime", "fit", str(bundles["v5e-8"]), "--hbm", "0.002", "-q", check=False), 1)
+    line = _one_line(run_module("runtime", "fit", str(bundles["v5e-8"]), "--hbm", "0.002", "-q", check=False,
+                                env=TPU_ENV), 1)
     assert re.fullmatch(r"error: tpu-v5e-8 \(v5e, 2\.0 MiB HBM per chip\) does not fit: (cross_kv|denoise_\w+|"
                         r"text_encoder\w*|vae_decode_\w+) \((encode|denoise|decode)\) needs [\d.]+ MiB per device "
                         r"\(weights [\d.]+ MiB, the rest [\d.]+ MiB\); try --quantize int8, a larger slice "
@@ -121,7 +125,7 @@ def test_a_budget_too_small_fails_naming_the_program(bundles: dict[str, Path]) -
 def test_export_fit_writes_nothing_that_does_not_fit(tmp_path: Path) -> None:
     out = tmp_path / "bundle"
     proc = run_module("export", *TINY, "--frames", "5", "--target", "tpu-v6e-8", "--out", str(out), "--fit", "--hbm",
-                      "0.002", check=False)
+                      "0.002", check=False, env=TPU_ENV)
     line = _one_line(proc, 1)
     assert line.startswith("error: tpu-v6e-8 (v6e, 2.0 MiB HBM per chip) does not fit: ") and \
         line.endswith("; no bundle was written"), line
@@ -158,7 +162,7 @@ def test_libtpu_stays_quiet_on_a_machine_without_a_tpu(tmp_path: Path) -> None:
     import importlib.util
 
     assert importlib.util.find_spec("libtpu") is not None, "the test set installs libtpu (the tpu extra)"
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | TPU_ENV | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "runtime", "generate", str(tmp_path / "none"), "--prompt", "a cat",
                            "--out", str(tmp_path / "cat.mp4")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -198,7 +202,7 @@ def test_the_default_flash_blocks_compile_for_the_tightest_chip() -> None:
     pallas/mosaic/tpu_info.py lists them). v5e and v6e compile the same defaults in the real 1.3B and 14B block
     programs (tools/bench.py fit, BENCHMARKS.md section 6); the tiny bundles above clamp them to their sequence."""
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, "tpu-v4-8"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+                          env={**os.environ, **TPU_ENV, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr[-3000:]
 
 
@@ -219,7 +223,7 @@ def test_a_program_the_compiler_refuses_for_hbm_is_one_line_with_what_helps() ->
     """Where the TPU compiler itself runs out of HBM (a program's temporaries, as the 14B VACE head on v5e-8 in
     BENCHMARKS.md section 6), fit's line keeps the compiler's figures and says what would help."""
     proc = subprocess.run([sys.executable, "-c", OUT_OF_HBM], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+                          env={**os.environ, **TPU_ENV, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.fullmatch(r"the TPU compiler refuses denoise_step for tpu-v5e-8: RESOURCE_EXHAUSTED: Ran out of memory "
                         r"on HBM, the total memory required for HLO temporaries \(32\.00G\) exceeds available HBM "

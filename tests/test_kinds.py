@@ -215,6 +215,7 @@ def test_rgba_and_greyscale_images_are_converted_as_the_clip_processor_does(kind
     assert grey["condition"].shape == a["condition"].shape
 
 
+@pytest.mark.slow  # bf16 variants: test_parity.py's test_bf16_bundle_tracks_diffusers_bf16 is the default run's
 @pytest.mark.parametrize("kind", ["t2v-moe", "i2v"])
 def test_bf16_tracks_diffusers_bf16(kind: str, kind_checkpoints, tmp_path: Path) -> None:
     """bf16 rounds differently in XLA and torch, and a tiny random model amplifies rounding, so the bound is

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import KIND_CASES, ROOT, run_cli, run_module, run_modules, test_image
+from .conftest import KIND_CASES, ROOT, devices_env, run_cli, run_module, run_modules, test_image
 from .test_bad_input import _fails_cleanly
 from .test_torch_free import BLOCKER, _has_pyav, _read_ffmpeg
 
@@ -79,6 +79,7 @@ def test_three_stage_cli_carries_the_image_conditioning(kind_bundles, images, tm
         assert gif.n_frames == KIND_CASES["i2v"][2] and gif.size == (48, 32)
 
 
+@pytest.mark.slow  # 8 devices per kind: test_multidevice covers the mechanism (1, 8 devices, 2 processes)
 @pytest.mark.parametrize("kind", ["i2v", "t2v-moe", "lucy-edit"])
 def test_same_frames_on_1_and_8_devices(kind: str, kind_bundles, kind_checkpoints, images, tmp_path: Path) -> None:
     _, res, frames, max_len = KIND_CASES[kind]
@@ -92,7 +93,7 @@ def test_same_frames_on_1_and_8_devices(kind: str, kind_bundles, kind_checkpoint
                  "--frames-out", str(tmp_path / "1.safetensors")])
     run_module("runtime", "generate", str(cpu8), *GEN, *extra, "--out", str(tmp_path / "8.mp4"),
                "--frames-out", str(tmp_path / "8.safetensors"),
-               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+               env=devices_env(8))
     one, eight = _frames(tmp_path / "1.safetensors"), _frames(tmp_path / "8.safetensors")
     assert np.abs(one - eight).max() <= 1e-5 and one.std() > 1e-3
 

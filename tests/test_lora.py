@@ -11,7 +11,7 @@ import pytest
 import runtime
 from runtime.errors import UserError
 
-from .conftest import CASES, run_module
+from .conftest import CASES, devices_env, run_module
 
 PROMPT = "a lighthouse in a storm"
 CASE = "tiny-64x32-f9"
@@ -155,6 +155,7 @@ def test_adapter_errors_are_one_line(fp32_bundles, checkpoints, kind_bundles, tm
         assert not (tmp_path / "v.mp4").exists()
 
 
+@pytest.mark.slow  # a variant on 8 devices: test_multidevice covers sharded runs, test_lora_switch the merges
 def test_merge_keeps_each_weights_sharding_on_8_devices(fp32_bundles, cpu8_bundle, checkpoints, tmp_path) -> None:
     """On the cpu-8 mesh (tp=2 splits q/k/v rows and out-proj columns) the merged weights keep their sharding
     and the frames equal one device's with the same adapter."""
@@ -184,7 +185,7 @@ print(json.dumps({"specs": [str(w[n].sharding.spec) for n in names], "q": np.asa
         adapter = _adapter(lora, bundle, tmp_path / f"a{n}.safetensors")
         for name, arg in (("lora", str(adapter)), ("plain", "-")):
             env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-                   "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+                   **devices_env(n)}
             proc = subprocess.run([sys.executable, "-c", script, str(bundle), arg], cwd=ROOT, env=env, timeout=300,
                                   capture_output=True, text=True)
             assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .conftest import ROOT, in_parallel, run_cli, run_module, run_processes
+from .conftest import ROOT, devices_env, in_parallel, run_cli, run_module, run_processes
 
 FP32_TOL = 1e-5  # max abs difference in frames (values in [0, 1]) between device layouts
 GEN = ("--prompt", "a robot dancing in the rain", "--steps", "4", "--seed", "7", "-q")
 
 
 def _devices(n: int) -> dict[str, str]:
-    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    return devices_env(n)
 
 
 def _frames(path: Path) -> np.ndarray:

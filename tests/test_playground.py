@@ -107,13 +107,20 @@ def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_p
     seen, previews = set(), set()
     deadline = time.time() + 180
     while time.time() < deadline and not job.locator("video").count():
-        bar, preview = job.locator("progress"), job.locator("img.preview")
-        if bar.count() and bar.is_visible():
-            seen.add(int(bar.get_attribute("value") or 0))
-        if preview.count() and preview.is_visible():  # the live preview: a WebP at the video's size, as it changes
-            size = preview.evaluate("i => i.naturalWidth ? i.naturalWidth + 'x' + i.naturalHeight : ''")
-            if size:
-                previews.add((size, preview.get_attribute("src")))
+        # the bar and the live preview (a WebP at the video's size, as it changes), read in one step in the page: the
+        # job's element replaces them with the video at any moment, and a locator on a removed element waits for it
+        state = job.evaluate("""li => {
+            const shown = e => e !== null && e.getClientRects().length > 0 &&
+                getComputedStyle(e).visibility !== 'hidden';
+            const bar = li.querySelector('progress'), img = li.querySelector('img.preview');
+            return {bar: shown(bar) ? Number(bar.getAttribute('value') || 0) : null,
+                    preview: shown(img) && img.naturalWidth ?
+                        [img.naturalWidth + 'x' + img.naturalHeight, img.getAttribute('src')] : null};
+        }""")
+        if state["bar"] is not None:
+            seen.add(int(state["bar"]))
+        if state["preview"]:
+            previews.add(tuple(state["preview"]))
         time.sleep(0.1)
     assert any(0 < v < 100 for v in seen), seen  # the bar moved with the steps
     assert {size for size, _ in previews} == {"32x64"} and len({src for _, src in previews}) >= 2, previews

@@ -4,6 +4,7 @@ are (tiny fp32 models: a one-expert Wan 2.1 and a two-expert Wan 2.2)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,7 +22,18 @@ from export.prequantized import diffusers_names
 from runtime import manifest as mf
 from runtime.magcache import MagCache
 
-from .conftest import CASES, KIND_CASES, ROOT, in_parallel, run_cli, run_module, run_modules, run_processes
+from .conftest import (
+    CASES,
+    KIND_CASES,
+    ROOT,
+    OnDemand,
+    devices_env,
+    in_parallel,
+    run_cli,
+    run_module,
+    run_modules,
+    run_processes,
+)
 
 sys.path.insert(0, str(ROOT / "tools"))
 import quality  # noqa: E402  (tools/quality.py: the fidelity measure the bounds are stated in)
@@ -60,18 +72,24 @@ def _reference(kind: str, fp32_bundles: dict[str, Path], kind_bundles: dict[str,
 
 
 @pytest.fixture(scope="module")
-def quant_bundles(checkpoints, kind_checkpoints, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """Each kind x mode, exported as conftest exports the unquantized reference of the kind."""
+def quant_bundles(checkpoints, kind_checkpoints, tmp_path_factory) -> OnDemand:
+    """Each kind x mode, exported as conftest exports the unquantized reference of the kind: the t2v ones (what the
+    default run uses) at once, two at a time, a two-expert one when a test first asks for it (the slow tier)."""
     root = tmp_path_factory.mktemp("quantized")
-    out = {(k, m): root / f"{k}-{m}" for k in KINDS for m in MODES}
-    commands = []
-    for (kind, mode), path in out.items():
+
+    def command(kind: str, mode: str) -> list[str]:
         res, frames, max_len = _case(kind)
-        commands.append(["export", "--model", str(_checkpoint(kind, checkpoints, kind_checkpoints)),
-                         "--resolution", res, "--frames", str(frames), "--dtype", "fp32", "--max-sequence-length",
-                         str(max_len), "--quantize", mode, "--out", str(path), "-q"])
-    run_modules(*commands)
-    return out
+        return ["export", "--model", str(_checkpoint(kind, checkpoints, kind_checkpoints)), "--resolution", res,
+                "--frames", str(frames), "--dtype", "fp32", "--max-sequence-length", str(max_len), "--quantize", mode,
+                "--out", str(root / f"{kind}-{mode}"), "-q"]
+
+    def export(kind: str, mode: str) -> Path:
+        run_module(*command(kind, mode))
+        return root / f"{kind}-{mode}"
+
+    run_modules(*[command("t2v", m) for m in MODES])
+    return OnDemand({(k, m): functools.partial(export, k, m) for k in KINDS for m in MODES},
+                    done={("t2v", m): root / f"t2v-{m}" for m in MODES})
 
 
 def _frames(pipe: runtime.Pipeline, seed: int = 3, **kw) -> np.ndarray:
@@ -80,7 +98,7 @@ def _frames(pipe: runtime.Pipeline, seed: int = 3, **kw) -> np.ndarray:
                                     latents=latents, progress=False, **kw))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["t2v", pytest.param("t2v-moe", marks=pytest.mark.slow)])  # moe: a variant
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_stores_8_bit_weights_and_stays_close(kind, mode, quant_bundles, fp32_bundles, kind_bundles) -> None:
     """The table's layers are stored in the mode's dtype with a float32 scale per output row, the rest as before;
@@ -159,6 +177,7 @@ print(json.dumps({"lat": lat.tolist(), "spec": str(w["blocks.0.attn1.to_q.weight
 """
 
 
+@pytest.mark.slow  # a variant on 8 devices and 2 processes: test_multidevice covers the mechanism
 @pytest.mark.parametrize("mode", ["int8-dynamic"])  # the mode with reductions of its own (per-token scales)
 def test_sharded_equals_single_device(mode, checkpoints, quant_bundles, tmp_path) -> None:
     """On 8 fake devices (dp=2, sp=2, tp=2) the scales split with their rows and the latents equal one device's."""
@@ -172,7 +191,7 @@ def test_sharded_equals_single_device(mode, checkpoints, quant_bundles, tmp_path
 
     def latents(n: int, bundle: Path) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+               **devices_env(n)}
         proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(bundle)], cwd=ROOT, env=env, timeout=300,
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ import runtime
 from runtime import intermediates as im
 from runtime import kinds
 
-from .conftest import blocked_run, in_parallel, run_module, run_modules
+from .conftest import OnDemand, blocked_run, in_parallel, run_module, run_modules
 
 PROMPT = "a red fox running through snow"
 
@@ -50,7 +51,6 @@ def savedmodels(checkpoints, fp32_bundles, kind_bundles, tmp_path_factory: pytes
 
     jobs = {"tiny": (lambda: fp32_bundles["tiny-64x32-f9"], ["--validate"]),
             "cuda": (cuda_bundle, ["-q"]),
-            "t2v-moe": (lambda: kind_bundles["t2v-moe"], []),
             "flf2v": (lambda: kind_bundles["flf2v"], [])}
     out = {name: root / name for name in jobs}
     procs = dict(zip(jobs, in_parallel(*[
@@ -61,7 +61,14 @@ def savedmodels(checkpoints, fp32_bundles, kind_bundles, tmp_path_factory: pytes
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
     assert procs["tiny"].stderr.count("validated ") == 12 and ": Pass" in procs["tiny"].stderr, \
         procs["tiny"].stderr[-2000:]
-    return out
+
+    def two_experts() -> Path:  # the slow tier's
+        proc = export_cli("--savedmodel", str(kind_bundles["t2v-moe"]), "--out", str(root / "t2v-moe"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return root / "t2v-moe"
+
+    return OnDemand({**{name: functools.partial(lambda p: p, path) for name, path in out.items()},
+                     "t2v-moe": two_experts}, done=out)
 
 
 def test_layout_and_description(savedmodels, fp32_bundles) -> None:
@@ -110,6 +117,7 @@ def test_tf_client_matches_the_runtime(savedmodels, fp32_bundles, tmp_path: Path
         np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow  # another kind: test_tf_client_first_and_last_frame runs a converted kind with more stages
 def test_tf_client_two_experts(savedmodels, kind_bundles, tmp_path: Path) -> None:
     """Wan 2.2 (two experts): the client switches signatures at the boundary with per-expert guidance."""
     pipe = runtime.load(kind_bundles["t2v-moe"])

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import ROOT, run_module, test_image
+from .conftest import ROOT, devices_env, run_module, test_image
 from .test_torch_free import _has_pyav, _read_ffmpeg
 
 openai = pytest.importorskip("openai")
@@ -512,7 +512,7 @@ def test_two_processes_serve_one_mesh(cpu8_bundle: Path, tmp_path: Path) -> None
     step (else the next job's collectives would never meet)."""
     bundle = cpu8_bundle
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = devices_env(4)
     multi = ("--coordinator", coordinator, "--num-processes", "2")
     follower = Server(bundle, tmp_path / "jobs-1", *multi, "--process-id", "1", env=env)
     leader = Server(bundle, tmp_path / "jobs", *multi, "--process-id", "0", env=env)

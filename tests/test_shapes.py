@@ -16,7 +16,7 @@ import pytest
 import runtime
 from runtime import manifest as mf
 
-from .conftest import KIND_CASES, SHAPES_CASE, in_parallel, run_cli, run_module, run_modules, test_image
+from .conftest import KIND_CASES, SHAPES_CASE, devices_env, in_parallel, run_cli, run_module, run_modules, test_image
 
 PROMPT = "a red fox running through snow, cinematic"
 NEGATIVE = "blurry"
@@ -204,13 +204,14 @@ def test_portrait_shape_of_an_image_kind_matches_diffusers(kind: str, size: str,
     assert np.abs(frames - want).max() <= 1e-4 and frames.std() > 1e-3
 
 
+@pytest.mark.slow  # a variant on 8 devices: test_serve's two-process mesh runs the portrait shape on 2 x 4
 def test_portrait_shape_on_8_devices_equals_one_device(shapes_bundle: Path, cpu8_bundle: Path, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
     out = tmp_path / "eight.safetensors"
     run_module("runtime", "generate", str(cpu8_bundle), "--prompt", PROMPT, "--size", "32x64", "--steps", "2",
                "--seed", "4", "--out", str(tmp_path / "eight.mp4"), "--frames-out", str(out), "-q",
-               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+               env=devices_env(8))
     one = runtime.load(shapes_bundle).generate(PROMPT, size="32x64", frames=9, seed=4, steps=2, progress=False)
     eight = load_file(str(out))["frames"]
     assert eight.shape == one.shape == (1, 9, 64, 32, 3)

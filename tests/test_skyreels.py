@@ -18,7 +18,7 @@ import pytest
 import runtime
 from runtime import forcing
 
-from .conftest import run_cli, test_image
+from .conftest import devices_env, run_cli, test_image
 
 PROMPT = "a robot walking in the city at night, cinematic"
 NEGATIVE = "blurry, low quality"
@@ -187,7 +187,8 @@ def test_df_asynchronous_mode(df, skyreels_checkpoints, async_noise, monkeypatch
     assert np.abs(sync - ours).max() > 1e-2  # the mode is used
 
 
-def test_df_asynchronous_mode_on_8_devices(df, skyreels_bundles, tmp_path: Path) -> None:
+@pytest.mark.slow  # a variant on 8 devices: test_multidevice covers the mechanism, test_df_asynchronous_mode the mode
+def test_df_asynchronous_mode_on_8_devices(df, skyreels_checkpoints, tmp_path: Path) -> None:
     """The CLI (--frames beyond the shape, --overlap-history, --ar-step, --causal-block-size, --addnoise-condition) on
     the cpu-8 bundle (dp=2, sp=2, tp=2) with 8 fake devices gives 1 device's frames (the noise from the seed): with
     guidance (the CFG batch over dp, the causal mask across sp's shards) and without (dp joins sp: 4 shards)."""
@@ -197,9 +198,12 @@ def test_df_asynchronous_mode_on_8_devices(df, skyreels_bundles, tmp_path: Path)
 
     from safetensors.numpy import load_file
 
-    from .conftest import ROOT
+    from .conftest import ROOT, run_module
 
-    flags = ["generate", str(skyreels_bundles["skyreels-df-cpu8"]), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+    cpu8 = tmp_path / "cpu8"  # the asynchronous mode's segment (13 frames) for dp=2, sp=2, tp=2
+    run_module("export", "--model", str(skyreels_checkpoints["tiny-skyreels-df"]), "--resolution", "64x32", "--frames",
+               "13", "--dtype", "fp32", "--max-sequence-length", "16", "--target", "cpu-8", "--out", str(cpu8), "-q")
+    flags = ["generate", str(cpu8), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
              "--frames", "21", "--overlap-history", "5", "--ar-step", "2", "--causal-block-size", "2",
              "--addnoise-condition", "20", "--steps", str(STEPS), "--seed", "4", "-q"]
     runs = {g: tmp_path / f"g{g}.safetensors" for g in (6, 1)}
@@ -208,7 +212,7 @@ def test_df_asynchronous_mode_on_8_devices(df, skyreels_bundles, tmp_path: Path)
     script = "from runtime.__main__ import main\n" + "".join(f"assert main({c!r}) == 0\n" for c in calls)
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           **devices_env(8)}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

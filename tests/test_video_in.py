@@ -12,7 +12,7 @@ import pytest
 import runtime
 from runtime.errors import UserError
 
-from .conftest import ROOT, in_parallel, run_cli, run_module, run_modules, test_image
+from .conftest import ROOT, devices_env, in_parallel, run_cli, run_module, run_modules, test_image
 
 PROMPT = "a boat sailing across a stormy sea"
 NEGATIVE = "blurry"
@@ -173,10 +173,10 @@ def _write_frames(frames: list, folder: Path) -> Path:
     return folder
 
 
-def test_same_frames_on_1_and_8_devices_and_the_cli_reads_an_mp4(bundles, video_checkpoints, tmp_path) -> None:
+@pytest.mark.slow  # a variant on 8 devices: test_multidevice covers the mechanism
+def test_same_frames_on_1_and_8_devices(bundles, video_checkpoints, tmp_path) -> None:
     """The VACE bundle exported for cpu-8 makes the frames of the one-device bundle (1e-5), from a folder of frames,
-    a mask folder and a reference image; the CLI's --video reads an mp4 as the Python API does."""
-    import imageio.v2 as imageio
+    a mask folder and a reference image."""
     from safetensors.numpy import load_file
 
     _, res, frames, max_len, extra = CASES["vace"]
@@ -194,10 +194,30 @@ def test_same_frames_on_1_and_8_devices_and_the_cli_reads_an_mp4(bundles, video_
                                    str(tmp_path / "one.mp4"), "--frames-out", str(tmp_path / "one.safetensors")),
                 lambda: run_module("runtime", "generate", str(eight), *args, "--out", str(tmp_path / "eight.mp4"),
                                    "--frames-out", str(tmp_path / "eight.safetensors"),
-                                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))
+                                   env=devices_env(8)))
     one, eight_frames = (load_file(str(tmp_path / f"{n}.safetensors"))["frames"] for n in ("one", "eight"))
     assert one.shape == (1, frames, height, width, 3)
     assert np.abs(one - eight_frames).max() <= 1e-5
+
+
+def test_the_cli_reads_folders_and_an_mp4_as_the_api_does(bundles, tmp_path) -> None:
+    """The CLI's --video, --mask and --reference-image from folders of frames and an image file make the Python
+    API's frames; its --video reads an mp4 as the Python API does."""
+    import imageio.v2 as imageio
+    from safetensors.numpy import load_file
+
+    _, res, frames, _, _ = CASES["vace"]
+    width, height = map(int, res.split("x"))
+    video = _write_frames(_video(frames, width, height, seed=6), tmp_path / "video")
+    mask = _write_frames(_mask(frames, width, height), tmp_path / "mask")
+    test_image(30, 30, seed=9).save(tmp_path / "ref.png")
+    run_cli("runtime", "generate", str(bundles["vace"]), "--prompt", PROMPT, "--steps", "2", "--seed", "2", "--video",
+            str(video), "--mask", str(mask), "--reference-image", str(tmp_path / "ref.png"), "-q", "--out",
+            str(tmp_path / "folders.mp4"), "--frames-out", str(tmp_path / "folders.safetensors"))
+    pipe = runtime.load(bundles["vace"])
+    want = pipe.generate(PROMPT, steps=2, seed=2, video=str(video), mask=str(mask),
+                         reference_images=[str(tmp_path / "ref.png")], progress=False)
+    np.testing.assert_allclose(load_file(str(tmp_path / "folders.safetensors"))["frames"], want, rtol=0, atol=1e-6)
     # an mp4 control video through the CLI: the frames the Python API makes from the same file
     mp4 = tmp_path / "control.mp4"
     imageio.mimwrite(str(mp4), [np.asarray(f) for f in _video(frames, width, height, seed=7)], fps=16,
@@ -206,7 +226,6 @@ def test_same_frames_on_1_and_8_devices_and_the_cli_reads_an_mp4(bundles, video_
                      str(mp4), "--out", str(tmp_path / "cli.mp4"), "--frames-out", str(tmp_path / "cli.safetensors"),
                      "-q")
     assert "os.fork()" not in cli.stderr, cli.stderr  # ffmpeg's fork-and-exec is not JAX's deadlock
-    pipe = runtime.load(bundles["vace"])
     api = pipe.generate(PROMPT, steps=2, video=str(mp4), progress=False)
     np.testing.assert_allclose(load_file(str(tmp_path / "cli.safetensors"))["frames"], api, rtol=0, atol=1e-6)
     assert (tmp_path / "cli.mp4").stat().st_size > 0
