@@ -133,7 +133,9 @@ def sds(spec: TensorSpec) -> jax.ShapeDtypeStruct:
 # Programs carry the source location (file:line) of the Python that traced each op, for debugging. Paths are made
 # relative to where the packages are installed (site-packages, or this checkout for `export` itself), so that the
 # same commit installed anywhere (another venv, checkout or machine) exports the same bytes: without it two fresh
-# installs from the same lock exported different programs (tools/reproducible_install.sh).
+# installs from the same lock exported different programs (tools/reproducible_install.sh). Each op records its own
+# frame, not the whole call stack: the stack's outer frames are whoever called the export (`python -m export`, the
+# `wan-aot-export` script, a Python program, a test's process), and with them the same export made other bytes.
 SOURCE_ROOTS = r"^.*/(site-packages|dist-packages)/|^" + re.escape(str(Path(__file__).resolve().parents[1])) + "/"
 
 
@@ -154,12 +156,16 @@ def export_program(fn: Callable[..., Any], weight_specs: dict[str, TensorSpec],
     out_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), output_partition,
                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
     jitted = jax.jit(fn, in_shardings=(w_shardings, *x_shardings), out_shardings=out_shardings)
-    before = jax.config.jax_hlo_source_file_canonicalization_regex
-    jax.config.update("jax_hlo_source_file_canonicalization_regex", SOURCE_ROOTS)
+    settings = {"jax_hlo_source_file_canonicalization_regex": SOURCE_ROOTS,
+                "jax_include_full_tracebacks_in_locations": False}
+    before = {name: getattr(jax.config, name) for name in settings}
     try:
+        for name, value in settings.items():
+            jax.config.update(name, value)
         exported = jax.export.export(jitted, platforms=(target.platform,))(w_sds, *in_sds)
     finally:
-        jax.config.update("jax_hlo_source_file_canonicalization_regex", before)
+        for name, value in before.items():
+            jax.config.update(name, value)
     outs = exported.out_avals
     if len(outs) != len(output_names):
         raise AssertionError(f"program has {len(outs)} outputs, expected {output_names}")

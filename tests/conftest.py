@@ -28,6 +28,9 @@ FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 PLAIN_XLA = os.environ.get("XLA_FLAGS", "")
 if FAST_XLA not in PLAIN_XLA:
     os.environ["XLA_FLAGS"] = f"{PLAIN_XLA} {FAST_XLA}".strip()
+# jax reads JAX_PLATFORMS when imported: the export fork server (tests/export_fork.py) imports it once for all its
+# exports, which run on the CPU whatever their target
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def devices_env(n: int) -> dict[str, str]:
@@ -44,6 +47,20 @@ SHARED.mkdir(mode=0o700, exist_ok=True)
 os.environ["WAN_AOT_CACHE_DIR"] = str(SHARED / "jax-cache")
 os.environ["WAN_AOT_STAMP_DIR"] = tempfile.mkdtemp(prefix="wan-aot-test-stamps-")  # stamps: per process
 atexit.register(shutil.rmtree, os.environ["WAN_AOT_STAMP_DIR"], True)
+
+
+# The default run's costliest files first (worker seconds, `pytest --durations=0` summed per file; CONTRIBUTING.md):
+# xdist (--dist loadfile) hands each worker the next file in collection order, so the run ends on short files and
+# both workers finish together instead of one waiting for the other's last long file.
+HEAVY_FIRST = ("test_serve.py", "test_tpu_export.py", "test_savedmodel.py", "test_quantize.py", "test_shapes.py",
+               "test_video_in.py", "test_animate.py", "test_fit.py", "test_skyreels.py", "test_attach.py",
+               "test_bad_input.py", "test_lora.py", "test_api_kinds.py", "test_cuda_export.py", "test_samplers.py",
+               "test_lora_switch.py", "test_replicas.py", "test_kinds.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -77,10 +94,16 @@ def compilation_cache() -> None:
 
 def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `python -m ...` from the repository root; returns the completed process."""
+    """Run `python -m ...` from the repository root; returns the completed process. `python -m export` is forked
+    from a process that has its imports loaded (the same process boundary, ten seconds less each)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    if args[0] == "export":  # forked from a process with export's imports loaded (tests/export_fork.py)
+        from . import export_fork
+
+        proc = export_fork.run(list(args[1:]), full_env, str(ROOT), timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"python -m {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

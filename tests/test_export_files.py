@@ -134,7 +134,9 @@ def _digests(bundle: Path) -> dict[str, str]:
 
 def test_export_is_byte_reproducible(fp32_bundles, checkpoints, tmp_path: Path) -> None:
     """Exported again by the same code installed elsewhere (a copy of the packages at another path, as another venv or
-    checkout has them): the same bytes. Programs record source locations, relative to where the code is."""
+    checkout has them) and started another way (`python -m export` here; the session's bundles are forked from the
+    tests' export server, tests/export_fork.py): the same bytes. Programs record source locations, relative to where
+    the code is, and only the op's own frame."""
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
     again, elsewhere = tmp_path / "again", tmp_path / "elsewhere"
     for package in ("export", "runtime"):

@@ -22,7 +22,7 @@ from export.build import FAMILIES
 from runtime import kinds
 from runtime.bundle import partition_spec
 
-from .conftest import in_parallel, run_cli, run_module
+from .conftest import OnDemand, in_parallel, run_cli, run_module
 
 CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --quantize)
     # two shapes (landscape and portrait), one copy of the weights
@@ -39,20 +39,34 @@ CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --
 }
 
 
+# The slow tier's cases: TI2V-5B's and the fp8 I2V-A14B's programs (an export each). The default run's cases cover each
+# target (v6e-4, v6e-8, v6e-16), one expert and two, CLIP, VACE, Animate, int8 and int8-dynamic.
+SLOW = {"ti2v-5b-720p-v6e-8", "i2v-a14b-480p-v6e-8"}
+
+
+def _cases(names) -> list:
+    """`names` as parameters, those of SLOW marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
 @pytest.fixture(scope="module")
-def tpu_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def tpu_bundles(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
     root = tmp_path_factory.mktemp("tpu")
 
-    def export(case: str) -> None:
+    def export(case: str) -> Path:
         arch, res, target, _, _, frames, quantize = CASES[case]
         quant = ["--quantize", quantize] if quantize else []
         run_module("export", "--model", arch, "--no-weights", "--resolution", res, "--frames", str(frames),
                    "--target", target, "--out", str(root / case), "-q", *quant)
+        return root / case
 
-    # two at a time. How long an export takes is a benchmark's to say (tools/bench.py export, BENCHMARKS.md section
-    # 3), not a test's: a bound in seconds failed every test here whenever the machine was busy.
-    in_parallel(*[functools.partial(export, case) for case in CASES])
-    return {case: root / case for case in CASES}
+    # the default run's two at a time, the slow tier's when first asked for. How long an export takes is a
+    # benchmark's to say (tools/bench.py export, BENCHMARKS.md section 3), not a test's: a bound in seconds failed
+    # every test here whenever the machine was busy.
+    default = [case for case in CASES if case not in SLOW]
+    in_parallel(*[functools.partial(export, case) for case in default])
+    return OnDemand({case: functools.partial(export, case) for case in CASES},
+                    done={case: root / case for case in default})
 
 
 def _program(bundle: Path, name: str) -> jax.export.Exported:
@@ -83,7 +97,7 @@ def _program_specs(bundle: Path, prog: mf.ProgramSpec) -> dict[str, PartitionSpe
     return specs
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path], case: str) -> None:
     arch, _, target, devices, heads, frames, _ = CASES[case]
     m = mf.read(tpu_bundles[case])
@@ -115,8 +129,8 @@ def test_dit_program_has_the_tpu_kernel_and_the_mesh(tpu_bundles: dict[str, Path
 
 
 def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> None:
-    """Each name builds its kind's stages: two experts share one program, TI2V has 1280x704 at 720p and a
-    one-frame VAE encoder, I2V has CLIP and a whole-video VAE encoder."""
+    """Each name builds its kind's stages: two experts share one program, I2V has CLIP and a whole-video VAE encoder,
+    VACE its blocks and reference shapes, Animate its face_motion program."""
     moe = mf.read(tpu_bundles["t2v-a14b-720p-v6e-8"])
     assert (moe.kind, moe.boundary_ratio) == ("t2v-moe", 0.875)
     assert moe.programs["denoise_step_2"].file == moe.programs["denoise_step"].file
@@ -126,18 +140,11 @@ def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> No
     tall = "denoise_step_2@720x1280x81"  # the second expert at the second shape: that shape's file, its weights
     assert moe.programs[tall].file == moe.programs["denoise_step@720x1280x81"].file != moe.programs["denoise_step"].file
     assert moe.programs[tall].weights == "transformer_2"
-    ti2v = mf.read(tpu_bundles["ti2v-5b-720p-v6e-8"])
-    assert ti2v.kind == "ti2v" and (ti2v.geometry.width, ti2v.geometry.height) == (1280, 704)
-    assert ti2v.geometry.latent_shape == (1, 48, 31, 44, 80) and ti2v.defaults.fps == 24
-    assert ti2v.programs["denoise_step"].inputs["mask"].shape == (1, 1, 31, 44, 80)
-    assert ti2v.programs["vae_encode_first"].inputs["pixels"].shape == (1, 3, 1, 704, 1280)
     i2v = mf.read(tpu_bundles["i2v-14b-720p-v6e-16"])
     assert i2v.kind == "i2v" and i2v.image_processor["crop_size"] == {"height": 224, "width": 224}
     assert i2v.programs["image_encoder"].outputs["image_embeds"].shape == (1, 257, 1280)
     assert i2v.programs["denoise_step"].inputs["condition"].shape == (1, 20, 21, 90, 160)
     assert i2v.programs["vae_encode_next"].inputs["pixels"].shape == (1, 3, 4, 720, 1280)
-    i2v_moe = mf.read(tpu_bundles["i2v-a14b-480p-v6e-8"])
-    assert (i2v_moe.kind, i2v_moe.boundary_ratio) == ("i2v-moe", 0.9) and "image_encoder" not in i2v_moe.programs
     vace = mf.read(tpu_bundles["vace-14b-720p-v6e-8"])
     assert vace.kind == "vace" and [g.reference_images for g in vace.shapes] == [0, 1]
     step, one_ref = vace.programs["denoise_step"], vace.programs["denoise_step@1280x720x81r1"]
@@ -160,6 +167,18 @@ def test_model_kinds_from_architecture_names(tpu_bundles: dict[str, Path]) -> No
     assert animate.weights["transformer"].quantized.get("face_adapter.7.to_out.weight") == "int8"
 
 
+@pytest.mark.slow  # the slow tier's cases of the test above
+def test_model_kinds_from_architecture_names_ti2v_and_i2v_moe(tpu_bundles: dict[str, Path]) -> None:
+    """TI2V has 1280x704 at 720p and a one-frame VAE encoder; the I2V A14B no CLIP."""
+    ti2v = mf.read(tpu_bundles["ti2v-5b-720p-v6e-8"])
+    assert ti2v.kind == "ti2v" and (ti2v.geometry.width, ti2v.geometry.height) == (1280, 704)
+    assert ti2v.geometry.latent_shape == (1, 48, 31, 44, 80) and ti2v.defaults.fps == 24
+    assert ti2v.programs["denoise_step"].inputs["mask"].shape == (1, 1, 31, 44, 80)
+    assert ti2v.programs["vae_encode_first"].inputs["pixels"].shape == (1, 3, 1, 704, 1280)
+    i2v_moe = mf.read(tpu_bundles["i2v-a14b-480p-v6e-8"])
+    assert (i2v_moe.kind, i2v_moe.boundary_ratio) == ("i2v-moe", 0.9) and "image_encoder" not in i2v_moe.programs
+
+
 # MagCache's cached step skips the blocks and what only feeds them: the text and image
 # embedders and the per-block timestep projection (the head's time embedding still runs).
 BLOCKS_ONLY = ("blocks.", "condition_embedder.text_embedder.", "condition_embedder.time_proj.",
@@ -173,7 +192,7 @@ CROSS_KV = re.compile(r"((vace_)?blocks\.\d+\.attn2\.(to_k|to_v|norm_k|add_k_pro
 FACE_MOTION = ("motion_encoder.", "face_encoder.")
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_weights_are_sharded_as_the_table_says(tpu_bundles: dict[str, Path], case: str) -> None:
     check_weight_shardings(tpu_bundles[case])
 
@@ -282,8 +301,8 @@ def _dots(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("case, storage", [("t2v-a14b-720p-v6e-8", "i8"), ("i2v-a14b-480p-v6e-8", "f8E4M3FN"),
-                                           ("i2v-14b-720p-v6e-16", "i8")])
+@pytest.mark.parametrize("case, storage", [("t2v-a14b-720p-v6e-8", "i8"), ("i2v-14b-720p-v6e-16", "i8"),
+                                           pytest.param("i2v-a14b-480p-v6e-8", "f8E4M3FN", marks=pytest.mark.slow)])
 def test_quantized_tpu_programs_take_8_bit_weights(tpu_bundles: dict[str, Path], case: str, storage: str) -> None:
     """The block programs take the 8-bit weights themselves: int8-dynamic's dots are int8 x int8 -> int32 (no float
     x int dot, which libtpu cannot run); int8 and fp8 convert the weight next to a bf16 dot."""

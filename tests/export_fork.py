@@ -1,0 +1,63 @@
+"""`python -m export ARGS` for the tests, forked from a server that has its imports loaded (tests/export_preload.py)
+instead of started anew: the same separate process, exit code, stdout and stderr, without ten seconds of imports each.
+One fork server per test process (multiprocessing's forkserver), started on the first export."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+_lock = threading.Lock()
+_context = None
+
+
+def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked process: the directory, environment and output files `python -m export` would have, then its
+    main."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    from export.__main__ import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def context() -> multiprocessing.context.BaseContext:
+    global _context
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["tests.export_preload"])
+            _context = ctx
+        return _context
+
+
+def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m export ARGV` in `cwd` with environment `env`; as subprocess.run(..., capture_output=True) returns
+    it. Raises subprocess.TimeoutExpired (the process killed) after `timeout` seconds."""
+    with tempfile.TemporaryDirectory(prefix="wan-aot-export-") as logs:
+        out, err = os.path.join(logs, "out"), os.path.join(logs, "err")
+        for path in (out, err):
+            open(path, "w").close()
+        proc = context().Process(target=_child, args=(argv, env, cwd, out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["python", "-m", "export", *argv], timeout)
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(["python", "-m", "export", *argv], proc.exitcode, o.read(), e.read())
