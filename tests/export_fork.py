@@ -1,6 +1,8 @@
 """`python -m export ARGS` for the tests, forked from a server that has its imports loaded (tests/export_preload.py)
 instead of started anew: the same separate process, exit code, stdout and stderr, without ten seconds of imports each.
-One fork server per test process (multiprocessing's forkserver), started on the first export."""
+One fork server per test process (multiprocessing's forkserver), started on the first export. What the build
+libraries read from the environment when imported (HF_HUB_OFFLINE, HF_HOME, ...) is the server's: a test that changes
+those runs `python -m export` as a plain subprocess (tests/test_hub_errors.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,12 @@ def _context(rng: np.random.Generator, spec: mf.TensorSpec, rows: int) -> np.nda
     return context
 
 
-@pytest.mark.parametrize("case", ["t2v", *KIND_CASES])
+# the default run: one expert, two, and image cross-attention (CLIP); the slow tier: the other kinds, same programs
+DEFAULT_CASES = ("t2v", "t2v-moe", "i2v")
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in ["t2v", *KIND_CASES]])
 def test_short_prompt_keys_and_values_give_the_steps_what_the_whole_text_gives(case, fp32_bundles,
                                                                               kind_bundles) -> None:
     path = fp32_bundles["tiny-64x32-f9"] if case == "t2v" else kind_bundles[case]
