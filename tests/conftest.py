@@ -205,16 +205,21 @@ class OnDemand(Mapping[K, T]):
     def __init__(self, build: dict[K, Callable[[], T]], done: dict[K, T] | None = None) -> None:
         self._build, self._done = build, dict(done or {})
 
+    @classmethod
+    def start(cls, build: dict[K, Callable[[], T]], now: list[K]) -> OnDemand[K, T]:
+        """The entries `now` built at once, two at a time (`in_parallel`), the others on first use."""
+        return cls(build, dict(zip(now, in_parallel(*[build[key] for key in now]))))
+
     def __getitem__(self, key: K) -> T:
         if key not in self._done:
             self._done[key] = self._build[key]()
         return self._done[key]
 
     def __iter__(self) -> Iterator[K]:
-        return iter(self._build)
+        return iter({**self._done, **self._build})
 
     def __len__(self) -> int:
-        return len(self._build)
+        return len({**self._done, **self._build})
 
 
 def in_parallel(*calls: Callable[[], T]) -> list[T]:

@@ -11,7 +11,7 @@ import pytest
 import runtime
 import runtime.manifest as mf
 
-from .conftest import CASES, KIND_CASES, OnDemand, run_module, run_modules
+from .conftest import CASES, KIND_CASES, OnDemand, run_module
 
 
 def _files(bundle: Path) -> dict[str, str]:
@@ -36,9 +36,7 @@ def bare(checkpoints, kind_checkpoints, tmp_path_factory: pytest.TempPathFactory
         run_module(*command(name))
         return root / name
 
-    run_modules(*[command(name) for name in ("fp32", "i2v-moe")])
-    return OnDemand({name: functools.partial(export, name) for name in cases},
-                    done={name: root / name for name in ("fp32", "i2v-moe")})
+    return OnDemand.start({name: functools.partial(export, name) for name in cases}, now=["fp32", "i2v-moe"])
 
 
 def _copy(bundle: Path, to: Path) -> Path:

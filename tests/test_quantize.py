@@ -87,9 +87,8 @@ def quant_bundles(checkpoints, kind_checkpoints, tmp_path_factory) -> OnDemand:
         run_module(*command(kind, mode))
         return root / f"{kind}-{mode}"
 
-    run_modules(*[command("t2v", m) for m in MODES])
-    return OnDemand({(k, m): functools.partial(export, k, m) for k in KINDS for m in MODES},
-                    done={("t2v", m): root / f"t2v-{m}" for m in MODES})
+    return OnDemand.start({(k, m): functools.partial(export, k, m) for k in KINDS for m in MODES},
+                          now=[("t2v", m) for m in MODES])
 
 
 def _frames(pipe: runtime.Pipeline, seed: int = 3, **kw) -> np.ndarray:

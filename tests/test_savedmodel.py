@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 from pathlib import Path
@@ -67,8 +66,7 @@ def savedmodels(checkpoints, fp32_bundles, kind_bundles, tmp_path_factory: pytes
         assert proc.returncode == 0, proc.stderr[-3000:]
         return root / "t2v-moe"
 
-    return OnDemand({**{name: functools.partial(lambda p: p, path) for name, path in out.items()},
-                     "t2v-moe": two_experts}, done=out)
+    return OnDemand({"t2v-moe": two_experts}, done=out)
 
 
 def test_layout_and_description(savedmodels, fp32_bundles) -> None:

@@ -22,7 +22,7 @@ from export.build import FAMILIES
 from runtime import kinds
 from runtime.bundle import partition_spec
 
-from .conftest import OnDemand, in_parallel, run_cli, run_module
+from .conftest import OnDemand, run_cli, run_module
 
 CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --quantize)
     # two shapes (landscape and portrait), one copy of the weights
@@ -63,10 +63,8 @@ def tpu_bundles(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
     # the default run's two at a time, the slow tier's when first asked for. How long an export takes is a
     # benchmark's to say (tools/bench.py export, BENCHMARKS.md section 3), not a test's: a bound in seconds failed
     # every test here whenever the machine was busy.
-    default = [case for case in CASES if case not in SLOW]
-    in_parallel(*[functools.partial(export, case) for case in default])
-    return OnDemand({case: functools.partial(export, case) for case in CASES},
-                    done={case: root / case for case in default})
+    return OnDemand.start({case: functools.partial(export, case) for case in CASES},
+                          now=[case for case in CASES if case not in SLOW])
 
 
 def _program(bundle: Path, name: str) -> jax.export.Exported:
