@@ -25,3 +25,9 @@ for _name in ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "WanA
 for _name in ("UMT5EncoderModel", "UMT5Config", "CLIPVisionModel", "CLIPVisionConfig", "CLIPImageProcessor",
               "PreTrainedTokenizerFast", "AutoTokenizer"):
     getattr(transformers, _name, None)
+
+# What the server holds lives as long as it: frozen, each forked export's collections (export/__main__.py freezes
+# again what it loads after) skip the libraries' objects, and the children never write to their shared pages for it.
+import gc  # noqa: E402
+
+gc.freeze()
