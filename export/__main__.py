@@ -14,6 +14,8 @@ r"""`python -m export`: build a bundle from a diffusers-format Wan checkpoint.
     python -m export --model Wan-AI/Wan2.1-T2V-14B-Diffusers --resolution 480p --out artifacts/14b-4step \
         --merge-lora lightx2v_T2V_14B_cfg_step_distill_v2_lora_rank64_bf16.safetensors \
         --defaults steps=4,guidance=1,sampler=euler,flow_shift=5      # a 4-step, CFG-free bundle
+    python -m export --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --resolution 480p --out artifacts/1.3b-lightvae \
+        --vae lightvaew2_1.safetensors                                 # lightx2v's LightVAE (original Wan layout)
 
 The model kind (Wan 2.1/2.2, T2V, TI2V, I2V, FLF2V, one or two experts) is detected from the checkpoint.
 """
@@ -64,6 +66,12 @@ def parser() -> argparse.ArgumentParser:
                         "bundle's dtype, or pre-quantized (int8 / float8_e4m3fn with a per-row weight_scale) for a "
                         "bundle of that --quantize mode, used as is; give it once per expert, the high-noise one "
                         "first")
+    p.add_argument("--vae", type=Path, metavar="FILE",
+                   help="replace the checkpoint's VAE (encoder and decoder) by a Wan 2.1 VAE in the original Wan "
+                        "layout (`encoder.downsamples.N.residual.2.weight`, `decoder.upsamples.N...`; a .safetensors "
+                        "file such as lightx2v's LightVAE lightvaew2_1 or Wan2.1_VAE), its widths read from its "
+                        "tensors; its latent space (z_dim, scales) must be the model's, whose latents_mean/std it "
+                        "keeps. For an export (also --no-weights) or --attach-weights")
     p.add_argument("--savedmodel", type=Path, metavar="BUNDLE",
                    help="instead of exporting: write this finished cpu/cuda bundle as a TensorFlow SavedModel "
                         "(TF Serving layout: OUT/1/saved_model.pb) to --out; needs the savedmodel extra, not torch")
@@ -157,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
+        if args.vae is not None and (args.savedmodel is not None or args.lora is not None):
+            raise UserError("--vae goes with an export (--model ...) or --attach-weights BUNDLE --weights SOURCE")
         if args.attach_weights is not None:
             with hub.errors_explained(args.weights, "--weights", args.revision):
                 return _attach(args)
@@ -202,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1")
         if args.out.exists() and not args.force:
             raise UserError(f"{args.out} already exists: choose another --out or pass --force to replace it")
-        from .source import load
+        from .source import load, with_vae_file
 
         t0 = time.perf_counter()
         with hub.errors_explained(args.model, "--model", args.revision):  # a hub id: configs now, weights in the build
             src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
+            if args.vae is not None:
+                src = with_vae_file(src, args.vae)
             shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
             references = parse_reference_images(args.reference_images, src.model)
             if args.video_to_video:
@@ -319,7 +331,7 @@ def _attach(args: argparse.Namespace) -> int:
     from runtime import manifest as mf
 
     from .attach import attach_weights
-    from .source import load
+    from .source import load, with_vae_file
 
     if not args.weights:
         raise UserError("--attach-weights needs --weights SOURCE (a diffusers-format directory or hub id)")
@@ -332,7 +344,10 @@ def _attach(args: argparse.Namespace) -> int:
 
     run_defaults, merges = parse_defaults(args.defaults), _merges(args)
     dtype = mf.read(args.attach_weights).dtype
-    manifest = attach_weights(args.attach_weights, load(args.weights, dtype, args.revision), force=args.force,
+    src = load(args.weights, dtype, args.revision)
+    if args.vae is not None:
+        src = with_vae_file(src, args.vae)
+    manifest = attach_weights(args.attach_weights, src, force=args.force,
                               quantize=args.quantize, dit_weights=args.dit_weights or [], defaults=run_defaults,
                               merges=merges)
     logging.getLogger("export").info("attached weights to %s (bundle %s) in %.1f s", args.attach_weights,

@@ -73,6 +73,7 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
     _check_baked(manifest, src)
+    _check_vae_shapes(manifest, src)
     tmp = bundle.parent / f".{bundle.name}.attach-partial"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -109,6 +110,9 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
         described = src.describe()
         source = {**manifest.source, "weights": {"kind": described["kind"], "id": described["id"],
                                                  "revision": described["revision"]}, **provenance(merges)}
+        source.pop("vae_file", None)  # the VAE's weights come from this attach: --vae's file, or the checkpoint's
+        if src.vae_file is not None:
+            source["vae_file"] = src.vae_file.describe()
         if prequantized:
             source["dit_weights"] = [{"file": Path(p).name, "expert": g} for g, p in prequantized.items()]
         new = dataclasses.replace(manifest, weights=files, tokenizer=tokenizer, source=source,
@@ -146,6 +150,24 @@ def _check_baked(manifest: mf.Manifest, src: Source) -> None:
         if ours[key] != theirs[key]:
             raise UserError(f"{src.id} does not match the bundle's model: its {key} is {_short(theirs[key])}, the "
                             f"bundle was built for {_short(ours[key])}: attach weights of the model it was built for")
+
+
+def _check_vae_shapes(manifest: mf.Manifest, src: Source) -> None:
+    """The VAE `src` gives (the checkpoint's, or --vae's file) must have the bundle's VAE tensor shapes, checked on
+    the model built on `meta` before any weight is read: a bundle exported with another VAE's widths (--vae) is
+    refused in one line, before the DiT is loaded."""
+    if "vae" not in manifest.weights:
+        return
+    ours = manifest.source.get("vae_file")
+    theirs = src.vae_file.describe() if src.vae_file is not None else None
+    have = {k: tuple(t.shape) for k, t in dataclasses.replace(src, weights=False).load_vae().state_dict().items()}
+    for name, spec in sorted(manifest.weights["vae"].tensors.items()):
+        if have.get(name) != tuple(spec.shape):
+            given = f"--vae {theirs['file']}" if theirs else f"{src.id}'s VAE"
+            exported = f"with --vae {ours['file']}" if ours else "with its checkpoint's VAE"
+            raise UserError(f"{given} does not have the bundle's VAE shapes ({name} is "
+                            f"{list(have[name]) if name in have else 'missing'}, the bundle has {list(spec.shape)}): "
+                            f"the bundle was exported {exported}; attach that VAE")
 
 
 def _short(value: object) -> str:

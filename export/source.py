@@ -6,6 +6,7 @@ nowhere else."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import tempfile
@@ -19,6 +20,7 @@ from runtime.kinds import Kind
 from runtime.samplers import from_checkpoint
 
 from . import architectures, tiny
+from .vae_file import VaeFile
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Source:
     image_encoder_config: dict[str, Any] | None = None  # CLIPVisionConfig
     image_processor_config: dict[str, Any] | None = None  # the CLIP image processor's preprocessor_config
     video_to_video: bool = False  # a text-to-video model that also takes a source video (VAE encoder programs)
+    vae_file: VaeFile | None = None  # --vae: the VAE from a file in the original Wan layout (export/vae_file.py)
 
     @property
     def model(self) -> Kind:
@@ -61,7 +64,10 @@ class Source:
         if self.image_encoder_config is not None:
             config["image_encoder"] = _plain(self.image_encoder_config)
             config["image_processor"] = _plain(self.image_processor_config or {})
-        return {"kind": self.kind, "id": self.id, "revision": self.revision, "config": config}
+        described = {"kind": self.kind, "id": self.id, "revision": self.revision, "config": config}
+        if self.vae_file is not None:
+            described["vae_file"] = self.vae_file.describe()
+        return described
 
     def _torch_dtype(self) -> Any:
         import torch
@@ -101,8 +107,22 @@ class Source:
         # diffusers runs the Wan VAE in float32 in every reference pipeline; so do we.
         if not self.weights:
             return _empty(lambda: AutoencoderKLWan(**_init_args(self.vae_config)), torch.float32)
+        if self.vae_file is not None:
+            vae = _empty(lambda: AutoencoderKLWan(**_init_args(self.vae_config)), torch.float32)
+            vae.load_state_dict(self.vae_file.tensors(), strict=True, assign=True)
+            return vae.eval()
         return AutoencoderKLWan.from_pretrained(self.location, subfolder="vae", revision=self.revision,
                                                 dtype=torch.float32).eval()
+
+
+def with_vae_file(src: Source, path: Path) -> Source:
+    """`src` with its VAE (encoder and decoder) from `path`, a Wan 2.1 VAE in the original layout (--vae): the
+    config is the file's architecture over the checkpoint's latent space, checked from the file's header now; the
+    weights load with the VAE, and the manifest's source records the file."""
+    from . import vae_file
+
+    found = vae_file.read(path, src.vae_config)
+    return dataclasses.replace(src, vae_config=found.config, vae_file=found)
 
 
 def transformer_class(kind: Kind) -> Any:
