@@ -96,6 +96,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-lora-2", action="append", default=[], metavar="FILE[:SCALE]",
                    help="as --merge-lora, into the second (low-noise) expert `transformer_2` of a two-expert model "
                         "(e.g. Wan2.2-Lightning's low-noise LoRA)")
+    p.add_argument("--tiny-decoder", type=Path, metavar="FILE",
+                   help="also export a tiny decoder (a TAEHV-layout .safetensors: taew2_1, taew2_2, taew2_2_super, "
+                        "lighttaew2_*) beside the VAE, for `--decoder tiny` runs and live previews")
+    p.add_argument("--tiny-decoder-latents", choices=("normalized", "raw"), default=None,
+                   help="what the tiny decoder takes: the DiT's normalised latents (taew) or raw VAE latents "
+                        "(lighttae: z*std + mean first); default: raw when the file name holds 'lighttae'")
     p.add_argument("--revision", default=None, help="hub revision (hub ids only)")
     p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
                                         "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32); "
@@ -195,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{' and '.join(needed)} {'is' if len(needed) == 1 else 'are'} required to export (or use "
                             "--attach-weights BUNDLE --weights SOURCE)")
         parse_frames(args.frames)  # a bad count fails before the model is read
+        tiny = _tiny_decoder(args)  # as does a tiny decoder file that is not one
         run_defaults = parse_defaults(args.defaults)
         merges = _merges(args)
         if merges and args.no_weights:
@@ -233,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                     flash=_flash_blocks(args),
                                     k_smoothing=args.k_smoothing),
                                 quantize=args.quantize, defaults=run_defaults, loras=tuple(merges),
-                                reference_images=references)
+                                reference_images=references, tiny_decoder=tiny)
             # Everything alive now (torch, diffusers, transformers, jax and the model's config) lives until the
             # process ends: frozen, the collections between components (build.py) and the tracer's own scan only
             # what the export allocates (a second a bundle, of a 14B one's ten of tracing).
@@ -327,6 +334,19 @@ def _lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiny_decoder(args: argparse.Namespace) -> Any:
+    """--tiny-decoder FILE [--tiny-decoder-latents normalized|raw], or None."""
+    from .build import TinyDecoderFile
+    from .tiny_decoder import default_latents, read
+
+    if args.tiny_decoder is None:
+        if args.tiny_decoder_latents is not None:
+            raise UserError("--tiny-decoder-latents goes with --tiny-decoder FILE")
+        return None
+    return TinyDecoderFile(args.tiny_decoder, args.tiny_decoder_latents or default_latents(args.tiny_decoder),
+                           read(args.tiny_decoder))
+
+
 def _attach(args: argparse.Namespace) -> int:
     from runtime import manifest as mf
 
@@ -349,7 +369,7 @@ def _attach(args: argparse.Namespace) -> int:
         src = with_vae_file(src, args.vae)
     manifest = attach_weights(args.attach_weights, src, force=args.force,
                               quantize=args.quantize, dit_weights=args.dit_weights or [], defaults=run_defaults,
-                              merges=merges)
+                              merges=merges, tiny_decoder=_tiny_decoder(args))
     logging.getLogger("export").info("attached weights to %s (bundle %s) in %.1f s", args.attach_weights,
                                      manifest.bundle_id, time.perf_counter() - t0)
     return 0

@@ -31,14 +31,15 @@ log = logging.getLogger("export")
 
 def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str | None = None,
                    dit_weights: list[Path] | None = None, defaults: dict[str, Any] | None = None,
-                   merges: list[Any] | None = None) -> mf.Manifest:
+                   merges: list[Any] | None = None, tiny_decoder: Any = None) -> mf.Manifest:
     """Write `src`'s weights and tokenizer into `bundle` (a --no-weights bundle, or any bundle with force).
 
     A quantized bundle takes `src`'s weights quantized as at export (`quantize`, when given, must be the
     bundle's mode). `dit_weights` (one per expert, in order) replace `src`'s DiT experts with files in the
     original Wan layout (export/prequantized.py): float ones cast to the bundle's dtype, pre-quantized ones (a
     quantized bundle) used as they are. `merges` (--merge-lora, export/lora.py) are merged into the DiT's
-    weights; `defaults` (--defaults) replace the bundle's run defaults."""
+    weights; `defaults` (--defaults) replace the bundle's run defaults. `tiny_decoder` (--tiny-decoder, a
+    build.TinyDecoderFile) holds the weights of a bundle exported with one, in the convention it was exported for."""
     import torch
 
     manifest = mf.read(bundle)
@@ -72,6 +73,7 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
                                     manifest.defaults, defaults)
     if src.tokenizer_json is None:
         raise UserError(f"{src.id} has no tokenizer: attach weights from a diffusers-format checkpoint")
+    tiny = _tiny_decoder_tensors(manifest, tiny_decoder, src)
     _check_baked(manifest, src)
     _check_vae_shapes(manifest, src)
     tmp = bundle.parent / f".{bundle.name}.attach-partial"
@@ -84,7 +86,9 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
             for group, wf in manifest.weights.items():
                 if group not in FAMILIES:
                     raise UserError(f"{bundle} lists an unknown weight group {group!r}: re-export it")
-                if group in prequantized:
+                if group == "tiny_decoder":
+                    module, tensors, label = None, tiny, str(tiny_decoder.path)
+                elif group in prequantized:
                     module = None
                     tensors = read_lightx2v(prequantized[group], wf, group, computed[group])
                     label = str(prequantized[group])
@@ -123,6 +127,30 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _tiny_decoder_tensors(manifest: mf.Manifest, spec: Any, src: Source) -> dict[str, Any] | None:
+    """The tiny decoder's tensors (torch, float32) for a bundle exported with --tiny-decoder, from the same kind of file
+    in the same latent convention; one-line errors for a file the bundle has no place for, or none where it has."""
+    import torch
+
+    from .build import read_tiny_decoder
+
+    info = manifest.tiny_decoder
+    if info is None:
+        if spec is not None:
+            raise UserError(f"--tiny-decoder: bundle {manifest.bundle_id} was exported without a tiny decoder, so its "
+                            "programs have none to take: export it again with --tiny-decoder FILE")
+        return None
+    if spec is None:
+        raise UserError(f"this bundle was exported with a tiny decoder ({info.file}): give its weights with "
+                        "--tiny-decoder FILE")
+    if spec.latents != info.latents:
+        raise UserError(f"--tiny-decoder {spec.path.name} takes {spec.latents} latents, the bundle's tiny decoder "
+                        f"{info.latents} ones: give the file it was exported with (or --tiny-decoder-latents "
+                        f"{info.latents})")
+    dec = read_tiny_decoder(spec, src)
+    return {k: torch.from_numpy(v) for k, v in sorted(dec.tensors.items())}
 
 
 def _computed(src: Source, group: str) -> dict[str, Any]:

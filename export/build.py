@@ -45,6 +45,7 @@ from runtime.manifest import (
     sha256_file,
     shape_suffix,
 )
+from runtime.manifest import TinyDecoder as TinyDecoderInfo
 
 from . import (
     cross_kv,
@@ -55,6 +56,7 @@ from . import (
     lora,
     sharding,
     text_encoder,
+    tiny_decoder,
     vae_decoder,
 )
 from . import vae as vae_stage
@@ -80,6 +82,14 @@ class Settings:
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # --defaults: run defaults over the checkpoint's
     loras: tuple[lora.MergeSpec, ...] = ()  # --merge-lora / --merge-lora-2: merged into the DiT's weights
     reference_images: tuple[int, ...] = (0,)  # VACE: the counts of reference images the DiT programs serve
+    tiny_decoder: TinyDecoderFile | None = None  # --tiny-decoder: a second decoder beside the VAE's
+
+
+@dataclass(frozen=True)
+class TinyDecoderFile:
+    path: Path
+    latents: str  # export/tiny_decoder.py LATENTS
+    decoder: Any = None  # the file read (tiny_decoder.read), or None: read when needed
 
 
 def size_multiple(src: Source) -> int:
@@ -183,7 +193,7 @@ def versions() -> dict[str, str]:
 
 # Weight group -> partition-rule family (export/sharding.py).
 FAMILIES = {"text_encoder": "umt5", "image_encoder": "clip_vision", "transformer": "wan_transformer",
-            "transformer_2": "wan_transformer", "vae": "wan_vae"}
+            "transformer_2": "wan_transformer", "vae": "wan_vae", "tiny_decoder": "taehv"}
 
 
 def attention_for(target: Target, base: AttentionConfig) -> AttentionConfig:
@@ -269,6 +279,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
     adapters = lora.read_merges(list(s.loras), expert_shapes(src)) if s.loras else []
     attention = attention_for(s.target, s.attention)
     mesh = abstract_mesh(s.target)
+    tiny_dec = read_tiny_decoder(s.tiny_decoder, src) if s.tiny_decoder is not None else None  # before any tracing
     tmp = _fresh_tmp(out)
     try:
         programs: dict[str, ProgramSpec] = {}
@@ -386,6 +397,11 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
             del vae, ex
             gc.collect()
 
+            tiny = None
+            if tiny_dec is not None:
+                tiny = export_tiny_decoder(src, s.tiny_decoder, tiny_dec, shapes, geo, s.target, add_weights,
+                                           add_program)
+
         tokenizer = None
         if src.tokenizer_json is not None and src.weights:
             tokenizer = write_tokenizer(tmp, src.tokenizer_json)
@@ -410,6 +426,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
             image_processor=image_processor,
             quantize=s.quantize,
             video_to_video=src.video_to_video,
+            tiny_decoder=tiny,
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
         if check is not None:
@@ -655,6 +672,49 @@ def export_vae(vae: Any, ex: Extracted, encode: str, geo: Geometry, target: Targ
             add_program(f"vae_{direction}_{which}{suffix}", "vae",
                         build(vae, fn, caches, first=which == vae_stage.FIRST),
                         inputs, [result, *cache_outputs], split, out_split)
+
+
+def read_tiny_decoder(spec: TinyDecoderFile, src: Source) -> Any:
+    """The tiny decoder of --tiny-decoder, checked against the model's VAE (its latent channels and scales) before
+    anything is traced."""
+    dec = spec.decoder if spec.decoder is not None else tiny_decoder.read(spec.path)
+    z = int(src.vae_config.get("z_dim") or 16)
+    if dec.latent_channels != z:
+        raise UserError(f"--tiny-decoder {spec.path.name}: a {dec.latent_channels}-channel decoder, but this model's "
+                        f"VAE has {z} latent channels: use the decoder made for this VAE (taew2_1/lighttaew2_1 for 16 "
+                        "channels, taew2_2/lighttaew2_2 for 48)")
+    spatial, temporal = int(src.vae_config.get("scale_factor_spatial") or 8), \
+        int(src.vae_config.get("scale_factor_temporal") or 4)
+    if (dec.spatial_scale, dec.time_scale) != (spatial, temporal):
+        raise UserError(f"--tiny-decoder {spec.path.name}: it upscales {dec.spatial_scale}x in space and "
+                        f"{dec.time_scale}x in time, this model's VAE {spatial}x and {temporal}x: use the decoder made "
+                        "for this VAE")
+    return dec
+
+
+def export_tiny_decoder(src: Source, spec: TinyDecoderFile, dec: Any, shapes: list[Geometry], geo: Geometry,
+                        target: Target, add_weights: Any, add_program: Any) -> TinyDecoderInfo:
+    """The tiny decoder's weights (float32, replicated: 11 M parameters) and its chunk programs per width x height,
+    activations split over the devices as the VAE's are."""
+    import torch
+
+    add_weights("tiny_decoder", {k: torch.from_numpy(v) for k, v in sorted(dec.tensors.items())}, {})
+    for size in dict.fromkeys(g.size for g in shapes):
+        g = max((x for x in shapes if x.size == size), key=lambda x: x.latent_frames)
+        suffix = shape_suffix("size", g, geo)
+        chunk = TensorSpec((g.batch, dec.latent_channels, 1, g.latent_height, g.latent_width), "float32")
+        memory = {f"cache_{i:02d}": TensorSpec(m, "float32")
+                  for i, m in enumerate(dec.memory_shapes(g.batch, g.latent_height, g.latent_width))}
+        dim = sharding.spatial_dim(chunk.shape, target.mesh)
+        split = {k: sharding.width_split(t.shape, target.mesh, dim) for k, t in {"latents": chunk, **memory}.items()}
+        for which in ("first", "next")[: 1 if g.latent_frames == 1 else 2]:
+            fn = tiny_decoder.build(dec, spec.latents, src.vae_config["latents_mean"], src.vae_config["latents_std"],
+                                    first=which == "first")
+            inputs = {"latents": chunk, **(memory if which == "next" else {})}
+            add_program(f"tiny_decode_{which}{suffix}", "tiny_decoder", fn, inputs, ["frames", *memory], split,
+                        (PartitionSpec(), [split[k] for k in memory]))
+    return TinyDecoderInfo(latents=spec.latents, variant=dec.variant, latent_channels=dec.latent_channels,
+                           file=spec.path.name)
 
 
 def write_tokenizer(bundle: Path, tokenizer_json: str) -> FileRef:

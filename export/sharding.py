@@ -70,6 +70,7 @@ RULES: dict[str, list[tuple[str, Any]]] = {
     "umt5": [(r".*", FSDP)],
     "clip_vision": [(r".*", FSDP)],
     "wan_vae": [(r".*", REPLICATED)],
+    "taehv": [(r".*", REPLICATED)],  # a tiny decoder: 11 M parameters, on every device
 }
 
 

@@ -40,6 +40,9 @@ _ANIMATE_DIT = dict(
 _VAE22 = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
               is_residual=True, patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16)
 
+_VAE22_48 = {**_VAE22, "z_dim": 48, "latents_mean": [round(0.05 * ((7 * i) % 11 - 5), 2) for i in range(48)],
+             "latents_std": [round(0.6 + 0.1 * (i % 9), 2) for i in range(48)]}
+
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
 # Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "lucy" | "skyreels-t2v" | "skyreels-i2v" |
@@ -75,6 +78,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # text or text + image.
     "tiny-ti2v": dict(transformer=_DIT, vae=_VAE22, text_encoder=_UMT5, flow_shift=5.0,
                       expand_timesteps=True),
+    # TI2V with the real Wan 2.2 VAE's 48 latent channels (tiny-ti2v's has 16): what 48-channel tiny decoders
+    # (taew2_2, lighttaew2_2) decode; its own latent statistics, so the raw convention's z * std + mean is its own.
+    "tiny-ti2v-48": dict(transformer={**_DIT, "in_channels": 48, "out_channels": 48}, vae=_VAE22_48,
+                         text_encoder=_UMT5, flow_shift=5.0, expand_timesteps=True),
     # Wan2.1-I2V-14B: CLIP image encoder, 36-channel DiT input, image cross-attention.
     "tiny-i2v": dict(transformer=_I2V_DIT, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0, pipeline="i2v",
                      image_encoder=_CLIP),

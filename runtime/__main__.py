@@ -224,6 +224,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, required=True,
                    help="video path: .mp4, .mkv, .mov or .gif (batch > 1 writes NAME-<i>.mp4)")
     g.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
+    g.add_argument("--decoder", choices=("full", "tiny"), default="full",
+                   help="full: the VAE (default); tiny: the bundle's tiny decoder (export --tiny-decoder), faster")
 
     e = sub.add_parser("encode", parents=[common], help="prompt -> embeddings (safetensors)")
     _bundle_arg(e)
@@ -263,6 +265,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
     v.add_argument("--out", type=Path, required=True, help="video path: .mp4, .mkv, .mov or .gif")
     v.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
+    v.add_argument("--decoder", choices=("full", "tiny"), default="full",
+                   help="full: the VAE (default); tiny: the bundle's tiny decoder (export --tiny-decoder), faster")
 
     c = sub.add_parser("verify", parents=[common], help="check a bundle: schema, sha256, tensors, programs, "
                                                          "jax versions, devices")
@@ -456,11 +460,11 @@ def run(args: argparse.Namespace) -> int:
                                    guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
                                    magcache=magcache, low_memory=True, sampler=args.sampler, sigmas=args.sigmas,
                                    **videos, conditioning_scale=args.conditioning_scale, strength=args.strength,
-                                   **animated, **forced, **shape)  # one video per process
+                                   **animated, **forced, **shape, decoder=args.decoder)  # one video per process
         else:
             video_shapes = [s.video_latent_shape for s in pipe.manifest.shapes]  # what denoise writes
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": video_shapes})[0]["latents"]
-            frames = pipe.decode(latents)
+            frames = pipe.decode(latents, args.decoder)
         if not primary:
             return
         if args.frames_out is not None:

@@ -178,13 +178,14 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              latents: Any = None, progress: bool = True, magcache: Any = None, size: Any = None,
              frames: int | None = None, low_memory: bool = False,
              on_step: Callable[[int, int], None] | None = None,
-             on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+             on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full") -> np.ndarray:
     """frames (B, n, H, W, 3) float32 in [0, 1], n the pose video's frame count (see the module docstring).
     `size` and `frames` pick the bundle shape (the segment); `on_step(done, total)` follows every step of every
     segment, `on_preview` each step's estimate of the segment's middle frame (Pipeline.denoise). The rest as
     Pipeline.generate."""
     if image is None:
         raise UserError("Wan-Animate needs the character's image (image=..., --image)")
+    pipe.decoder_programs(decoder)  # a decoder the bundle lacks fails before any work
     inputs = load_inputs(pose_video, face_video, mode, background_video, mask_video)
     g = pipe.shape(size, frames)
     seg = segments(len(inputs.pose), g.frames, prev_segment_frames)
@@ -256,7 +257,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
                                     progress=False, on_step=step_done, guidance_2=guidance_2, magcache=magcache,
                                     size=g.size, frames=g.frames, sampler=s.sampler, sigmas=s.sigmas,
                                     on_preview=on_preview)
-            frames_ = pipe.decode(denoised)  # (B, L, H, W, 3)
+            frames_ = pipe.decode(denoised, decoder)  # (B, L, H, W, 3)
             carried = frames_[:, -seg.prev:]
             out.append(frames_ if i == 0 else frames_[:, seg.prev:])
         return np.concatenate(out, axis=1)[:, : seg.frames]

@@ -391,13 +391,14 @@ def plan(m: mf.Manifest, compiled: list[Compiled], mode: str) -> list[Moment]:
                 c = files[(name, part)]
                 kept = {n for n, _ in c.inputs if n in loop or n in HELD}
                 moments.append(moment("denoise", c, {**loop, **every_kv}, kept, residual))
-    for size in dict.fromkeys(g.size for g in m.shapes):  # the decoder: chunk after chunk
+    for size, prefix in ((size, prefix) for size in dict.fromkeys(g.size for g in m.shapes)
+                         for prefix in kinds.DECODERS.values()):  # each decoder: chunk after chunk
         g = max((x for x in m.shapes if x.size == size), key=lambda x: x.latent_frames)
-        first = files.get((m.program_for("vae_decode_first", g), ""))
+        first = files.get((m.program_for(f"{prefix}_first", g), ""))
         if first is None:
             continue
         moments.append(moment("decode", first, {}))
-        nxt = m.program_for("vae_decode_next", g)
+        nxt = m.program_for(f"{prefix}_next", g)
         if (nxt, "") in files and g.latent_frames > 1:
             c = files[(nxt, "")]
             # the chunk before, copied to the host while this one runs (Pipeline.decode)

@@ -292,7 +292,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              sampler: str | None = None, sigmas: Sequence[float] | None = None, latents: Any = None,
              progress: bool = True, magcache: Any = None, low_memory: bool = False, size: Any = None,
              frames: int | None = None, on_step: Callable[[int, int], None] | None = None,
-             on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+             on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full") -> np.ndarray:
     """frames (B, F, H, W, 3) float32 in [0, 1]: `num_frames` frames (4k + 1; default: the segment's) from the prompt,
     the prompt and `image` (+ `last_image`), or after the source `video` (then F = the source's frames + num_frames,
     the first num_frames counting the re-decoded overlap, as diffusers returns it). `size` and `frames` pick the
@@ -308,6 +308,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         raise UserError("MagCache is not for diffusion forcing: its per-frame timesteps give MagCache's per-step "
                         "schedule nothing to go by; leave magcache out")
     pipe._prompts(prompt, "prompt")
+    pipe.decoder_programs(decoder)  # a decoder the bundle lacks fails before any work
     if num_frames is None and frames is not None:  # as the CLI's --frames: the video's length
         num_frames, frames = frames, None
     if last_image is not None and image is None:
@@ -371,7 +372,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
             done += rows[i]
         if low_memory:
             pipe.unload_before("decode")
-        frames_out = pipe.decode(acc)
+        frames_out = pipe.decode(acc, decoder)
         if source is not None:  # the source (resized, as diffusers' preprocess_video), then what was made
             pixels = video_input.video_pixels(source, g.width, g.height).transpose(0, 2, 3, 1)
             head = np.clip(pixels * np.float32(0.5) + np.float32(0.5), 0, 1).astype(np.float32)

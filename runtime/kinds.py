@@ -60,7 +60,10 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
-DIT_GROUPS = ("transformer", "transformer_2")  # the DiT experts' weight groups, in expert order
+DIT_GROUPS = ("transformer", "transformer_2")
+# The decoders a run can pick (`decoder=`), by the prefix of their chunk programs ("<prefix>_first", "<prefix>_next"):
+# the VAE's, and a tiny decoder's where the bundle has one (Manifest.tiny_decoder, export/tiny_decoder.py).
+DECODERS = {"full": "vae_decode", "tiny": "tiny_decode"}  # the DiT experts' weight groups, in expert order
 TEXT_ENCODER = "text_encoder"  # the program over all max_sequence_length tokens; shorter ones add "_<length>"
 
 
@@ -164,7 +167,7 @@ class Kind:
         return self.conditioning_inputs + (("image_embeds",) if self.image_encoder else ())
 
     def stages(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False,
-               video_to_video: bool = False) -> tuple[str, ...]:
+               video_to_video: bool = False, tiny_decoder: bool = False) -> tuple[str, ...]:
         """The programs a bundle of this kind holds, in the order they run (bundles exported before the
         denoise variants other than "cfg" existed hold only that one, and the runtime falls back to it; those
         exported before the cross_kv programs existed have none, and their steps take the embeddings; those
@@ -183,9 +186,10 @@ class Kind:
         rows = [None, *(short_text_lengths(max_sequence_length) if short_prompts else ())]
         out += [cross_kv_program(e, t) for e in range(self.experts) for t in rows]
         out += [denoise_program(e, v) for e in range(self.experts) for v in self.variants]
-        out.append("vae_decode_first")
-        if latent_frames > 1:
-            out.append("vae_decode_next")
+        for decoder in DECODERS.values() if tiny_decoder else (DECODERS["full"],):
+            out.append(f"{decoder}_first")
+            if latent_frames > 1:
+                out.append(f"{decoder}_next")
         return tuple(out)
 
 
@@ -303,7 +307,7 @@ def shape_scope(program: str) -> str:
     shape: "" (nothing: the text and image encoders, the cross-attention keys and values), "size" (width x
     height: the VAE's one-frame chunks) or "video" (width x height x frames: the DiT's denoise programs)."""
     program = base_program(program)
-    if program.startswith(("vae_encode", "vae_decode")):
+    if program.startswith(("vae_encode", "vae_decode", "tiny_decode")):
         return "size"
     if denoise_variant(program) is not None or program == "face_motion":
         return "video"
@@ -340,7 +344,7 @@ def pipeline_stage(program: str) -> str:
     """Which of PIPELINE_STAGES program `program` belongs to: the DiT's programs (its steps and cross-attention
     keys and values) denoise, the VAE decoder's decode, the rest (text, CLIP, VAE encoder) encode."""
     program = base_program(program)
-    if program.startswith("vae_decode"):
+    if program.startswith(("vae_decode", "tiny_decode")):
         return "decode"
     if denoise_variant(program) is not None or is_cross_kv(program) or program == "face_motion":
         return "denoise"

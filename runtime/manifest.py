@@ -306,6 +306,20 @@ def shape_suffix(scope: str, g: Geometry, default: Geometry) -> str:
 
 
 @dataclass(frozen=True)
+class TinyDecoder:
+    """A tiny decoder beside the VAE (export/tiny_decoder.py): its programs `tiny_decode_first` / `tiny_decode_next`
+    and weight group `tiny_decoder` decode the same latents to [0, 1] frames, faster and coarser."""
+
+    latents: str  # "normalized": takes the DiT's (Wan-normalised) latents | "raw": z * std + mean first (lighttae)
+    variant: str  # "base" | "super" (TAEHV's two decoders)
+    latent_channels: int
+    file: str  # the name of the file it was read from (provenance)
+
+    def describe(self) -> str:
+        return f"{self.file} ({self.variant} TAEHV decoder, {self.latent_channels} channels, {self.latents} latents)"
+
+
+@dataclass(frozen=True)
 class Defaults:
     """What a run uses where it says nothing: from the checkpoint, or set at export (`--defaults`)."""
 
@@ -337,6 +351,7 @@ class Manifest:
     image_processor: dict[str, Any] | None = None  # the CLIP stage's preprocessing (runtime/images.py)
     quantize: str | None = None  # the weights' quantization mode (export/quantize.py MODES), None: unquantized
     video_to_video: bool = False  # a text-to-video kind with the VAE encoder programs for a source video
+    tiny_decoder: TinyDecoder | None = None  # a second, tiny decoder (export --tiny-decoder); None: the VAE's only
     bundle_id: str = ""
 
     @property
@@ -354,7 +369,8 @@ class Manifest:
         """The programs a bundle of this kind and these shapes holds (kinds.Kind.stages, named for each shape)."""
         kind, L = kinds.get(self.kind), self.geometry.max_sequence_length
         return tuple(dict.fromkeys(self.program_for(p, g) for g in self.shapes
-                                   for p in kind.stages(g.latent_frames, L, short_prompts, self.video_to_video)))
+                                   for p in kind.stages(g.latent_frames, L, short_prompts, self.video_to_video,
+                                                        self.tiny_decoder is not None)))
 
     def find_shape(self, width: int | None = None, height: int | None = None, frames: int | None = None,
                    reference_images: int | None = None) -> Geometry | None:

@@ -522,7 +522,7 @@ class Pipeline:
         guidances = [np.float32(s.guidance_of(e)) for e in range(2)]
         residual = norms = None
         expert_before = -1
-        preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
+        preview = self._previewer(g) if on_preview is not None else None
         for i in tqdm(range(run), desc="denoising", unit="step", disable=not progress or not is_primary()):
             name = programs[i]
             variant = kinds.denoise_variant(name)
@@ -637,17 +637,19 @@ class Pipeline:
         return self.geometry
 
     # -- decode -------------------------------------------------------------
-    def decode(self, latents: np.ndarray) -> np.ndarray:
+    def decode(self, latents: np.ndarray, decoder: str = "full") -> np.ndarray:
         """float32 frames (B, F, H, W, 3) in [0, 1], at the shape of the latents (the video's: what `denoise`
-        returns)."""
+        returns). `decoder`: "full" (the VAE) or "tiny" (the bundle's tiny decoder, `export --tiny-decoder`: the same
+        latents, several times faster, coarser); both decode one latent frame per call, their memory carried."""
+        prefix = self.decoder_programs(decoder)
         latents = np.asarray(latents, np.float32)
         g = self.decode_shape(latents.shape)
         host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
-        first = self.bundle.call(self._at("vae_decode_first", g))
+        first = self.bundle.call(self._at(f"{prefix}_first", g))
         pending, caches = first(latents[:, :, 0:1])
         chunks = []
         if latents.shape[2] > 1:
-            nxt = self.bundle.call(self._at("vae_decode_next", g))
+            nxt = self.bundle.call(self._at(f"{prefix}_next", g))
             for t in range(1, latents.shape[2]):
                 frames, caches = nxt(latents[:, :, t:t + 1], *caches)  # dispatched: runs while the last is copied
                 # Each chunk comes to the host as the next one runs, so the devices never hold more than two chunks'
@@ -656,6 +658,25 @@ class Pipeline:
                 pending = frames
         chunks.append(fetch(pending).astype(np.float32))
         return np.concatenate(chunks, axis=1)
+
+    def _previewer(self, g: mf.Geometry) -> Callable[[Any], np.ndarray] | None:
+        """What turns the step programs' state into the live preview's uint8 RGB: the tiny decoder's first-chunk program
+        on the middle latent frame of x0 (real frames, at the video's size) where the bundle has one, else the fixed
+        latent-to-RGB map (runtime/previews.py), else None (latents it has no map for)."""
+        if self.manifest.tiny_decoder is not None:
+            return previews.TinyPreviewer(g, self.bundle.call(self._at("tiny_decode_first", g)))
+        return previews.Previewer(g) if previews.family(g.latent_channels) else None
+
+    def decoder_programs(self, decoder: str | None) -> str:
+        """The chunk programs' prefix of `decoder` ("full", "tiny"; None: "full"); UserError for a name that is
+        neither, or "tiny" on a bundle exported without --tiny-decoder."""
+        decoder = "full" if decoder is None else decoder
+        if decoder not in kinds.DECODERS:
+            raise UserError(f"decoder {decoder!r} is not one of {', '.join(kinds.DECODERS)}")
+        if decoder == "tiny" and self.manifest.tiny_decoder is None:
+            raise UserError("this bundle has no tiny decoder: export it with --tiny-decoder FILE (e.g. "
+                            "taew2_1.safetensors), or decode with the full VAE (decoder full)")
+        return kinds.DECODERS[decoder]
 
     def decode_shape(self, shape: tuple[int, ...]) -> mf.Geometry:
         """The bundle shape whose VAE decoder decodes video latents of `shape` (B, z, T, h, w): the one they are the
@@ -732,7 +753,7 @@ class Pipeline:
                  noise: np.ndarray | None = None,
                  on_step: Callable[[int, int], None] | None = None,
                  on_preview: Callable[[np.ndarray], None] | None = None,
-                 loras: Sequence[adapters.LoraSpec] | None = None) -> np.ndarray:
+                 loras: Sequence[adapters.LoraSpec] | None = None, decoder: str = "full") -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
         `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
@@ -749,10 +770,13 @@ class Pipeline:
         One bundle shape, one segment: what runtime/front.py's `generate` runs for the kinds without a loop of their
         own (kinds.Kind.loop).
 
+        `decoder`: "full" (the VAE) or "tiny" (the bundle's tiny decoder: `decode`).
+
         `loras`: the LoRA set this run and the later ones use (`use_loras`: (path or name, scale[, expert]) each; `[]`
         none), switched to before anything runs; None keeps the set the weights hold (the one `runtime.load` was given,
         or the last one a call named). (runtime/front.py's `generate` switches it before any loop.)"""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
+        self.decoder_programs(decoder)  # as does a decoder the bundle lacks
         if loras is not None:
             self.use_loras(loras)
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)
@@ -781,7 +805,7 @@ class Pipeline:
                                on_step=step_done, on_preview=on_preview)
             if low_memory:
                 self.unload_before("decode")
-            return self.decode(out)
+            return self.decode(out, decoder)
         except BaseException:
             self.bundle.cancel_prefetch()
             raise

@@ -108,6 +108,36 @@ class Previewer:
         return to_uint8(fetch(self._fn(state)))
 
 
+class TinyPreviewer:
+    """The preview through the bundle's tiny decoder (export --tiny-decoder): x0's latent frame that decodes to the
+    middle of the video (all batch items, on the devices), decoded alone by the decoder's first-chunk program into one
+    frame at the video's size; batch item 0's, as uint8. A real frame, where the linear map only approximates colours,
+    for the cost of one chunk of the tiny decoder per step (BENCHMARKS.md)."""
+
+    def __init__(self, g: Geometry, decode_first: Callable[..., Any]) -> None:
+        self.frame, self.size = middle_frame(g), (g.width, g.height)
+        self._decode = decode_first
+        self._slice = _x0_frame(self.frame)
+
+    def __call__(self, state: Any) -> np.ndarray:
+        from .distributed import fetch
+
+        frames, _ = self._decode(fetch(self._slice(state)))
+        return (np.clip(fetch(frames)[0, 0].astype(np.float32), 0.0, 1.0) * 255).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _x0_frame(t: int) -> Callable[[Any], Any]:
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def take(state: Any) -> Any:
+        return state[X0_ROW, :, :, t:t + 1].astype(jnp.float32)  # (B, C, 1, h, w)
+
+    return take
+
+
 @functools.lru_cache(maxsize=16)
 def _projection(fam: LatentFamily, t: int) -> Callable[[Any], Any]:
     import jax

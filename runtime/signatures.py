@@ -46,7 +46,7 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
                           ("state", "finite") + (("residual",) if variant.residual == "out" else ()))
     elif name.startswith("vae_encode_"):
         order = CallOrder(("pixels", *caches_in), ("latents", *caches_out))
-    elif name.startswith("vae_decode_"):
+    elif name.startswith(("vae_decode_", "tiny_decode_")):
         order = CallOrder(("latents", *caches_in), ("frames", *caches_out))
     else:
         raise BundleError(f"program {name!r} is unknown to this runtime: upgrade wan-aot")

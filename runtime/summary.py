@@ -65,6 +65,9 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                      "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
         "scheduler": m.scheduler, "stages": stages, "weights": weights,
         "weights_attached": m.has_weights, "versions": m.versions,
+        "decoders": {"full": "the VAE", **({"tiny": {"file": m.tiny_decoder.file, "variant": m.tiny_decoder.variant,
+                                                    "latent_channels": m.tiny_decoder.latent_channels,
+                                                    "latents": m.tiny_decoder.latents}} if m.tiny_decoder else {})},
         "tpu_fit": fit.read_record(path, m) if m.target.platform == "tpu" else None,
     }
 
@@ -97,6 +100,9 @@ def format_text(s: dict[str, Any]) -> str:
         + (f" (sigmas {', '.join(f'{v:g}' for v in d['sigmas'])})" if d.get("sigmas") else "")
         + f", guidance {d['guidance']}" + (f" / {d['guidance_2']}" if d.get("guidance_2") is not None else "")
         + f", flow shift {d['flow_shift']}, {d['fps']} fps",
+        "decoders   full (the VAE, default)" + (
+            f"; tiny: {(x := s['decoders']['tiny'])['file']} ({x['variant']} TAEHV decoder, {x['latent_channels']} "
+            f"channels, takes {x['latents']} latents)" if "tiny" in s.get("decoders", {}) else ""),
         f"samplers   unipc (order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}), euler, "
         "dpm++ (any, per run)",
         f"versions   {_kv(s['versions'])}",

@@ -54,7 +54,7 @@ DEFAULT_STRENGTH = 0.8
 # Diffusion forcing's settings (offered by DF bundles only) go on from the source's to its extension.
 SETTINGS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift",
             "sampler", "sigmas", "fps", "conditioning_scale", "lora", "overlap_history", "ar_step",
-            "causal_block_size", "addnoise_condition")
+            "causal_block_size", "addnoise_condition", "decoder")
 # Each route's fields (besides the source: the remix's path, `video` / `video[id]` for the others).
 FIELDS_OF = {"remix": ("prompt", "strength", *SETTINGS), "edit": ("prompt", "size", "strength", *SETTINGS),
              "extend": ("prompt", "seconds", "size", *SETTINGS)}

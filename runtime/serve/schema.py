@@ -70,6 +70,7 @@ class Offer:
     loras: tuple[Any, ...] = ()  # the LoRA adapters offered (--lora-dir), runtime.lora.Adapter each
     max_loras: int = lora_api.MAX_LORAS  # the most adapters one request may name (--max-loras)
     max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing: the longest video a job may ask for
+    tiny_decoder: bool = False  # the bundle has a tiny decoder (export --tiny-decoder): `decoder` is offered
 
     @classmethod
     def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS, adapters: tuple[Any, ...] = (),
@@ -78,7 +79,8 @@ class Offer:
                    shapes=tuple(dict.fromkeys((g.size, g.frames) for g in manifest.shapes)),
                    kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
                    video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts),
-                   loras=tuple(adapters), max_loras=max_loras, max_seconds=max_seconds)
+                   loras=tuple(adapters), max_loras=max_loras, max_seconds=max_seconds,
+                   tiny_decoder=manifest.tiny_decoder is not None)
 
     @property
     def video_reference(self) -> bool:
@@ -386,6 +388,10 @@ FIELDS: tuple[Field, ...] = (
           "distinct level, run from the highest down (so any order): they set the step count, so "
           "num_inference_steps is left out. In a form: comma-separated decimals.",
           param="sigmas", minimum=SIGMA_MIN, maximum=1, max_items=lambda o: o.max_steps),
+    Field("decoder", "string", "What decodes the video: full (the VAE) or tiny (the bundle's tiny decoder: several "
+          "times faster, coarser).", param="decoder", enum=lambda o: ["full", "tiny"], default=lambda o: "full",
+          mismatch="decoder {value!r} is not one of {choices}", offered=lambda o: o.tiny_decoder,
+          refusal=lambda o: "this bundle has no tiny decoder (export it with --tiny-decoder FILE): leave decoder out"),
     Field("fps", "integer", "The frame rate the mp4 plays at.", param="fps", minimum=1, maximum=MAX_FPS,
           default=lambda o: o.defaults.fps),
     Field("lora", "loras", "LoRA adapters to run with, from those GET /v1/models lists: each {\"name\", \"scale\"} "

@@ -74,7 +74,8 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                                addnoise_condition=params.get("addnoise_condition") or 0, fps=params["fps"],
                                seed=s.seed, steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift,
                                sampler=s.sampler, sigmas=s.sigmas, progress=False, size=params.get("size"),
-                               on_step=steps_done, on_preview=on_preview)[0]
+                               on_step=steps_done, on_preview=on_preview,
+                               decoder=params.get("decoder") or "full")[0]
         if source is not None:  # the source, then the new part after the frames it re-decodes (those shared)
             frames = derive.forcing_joined(params, len(source), frames)
         stage_done("decode")
@@ -89,7 +90,8 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                                prev_segment_frames=params.get("prev_segment_frames") or 1, seed=s.seed, steps=s.steps,
                                guidance=s.guidance, flow_shift=s.flow_shift, sampler=s.sampler, sigmas=s.sigmas,
                                progress=False, magcache=magcache, size=params.get("size"), frames=params.get("frames"),
-                               on_step=steps_done, on_preview=on_preview)
+                               on_step=steps_done, on_preview=on_preview,
+                               decoder=params.get("decoder") or "full")
         stage_done("decode")
         if video is not None:
             write_video(frames[0], video, fps=params["fps"])
@@ -113,7 +115,8 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                            guidance_2=s.guidance_2, magcache=magcache, sampler=s.sampler, sigmas=s.sigmas,
                            **{k: v for k, v in run.items() if v is not None}, **shape)
     stage_done("denoise")
-    frames = derive.joined(params, media, pipe.decode(latents)[0])  # extensions: the source, then the new frames
+    # extensions: the source, then the new frames
+    frames = derive.joined(params, media, pipe.decode(latents, params.get("decoder") or "full")[0])
     stage_done("decode")
     if video is not None:
         write_video(frames, video, fps=params["fps"])
