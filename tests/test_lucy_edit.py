@@ -62,6 +62,7 @@ def test_matches_diffusers_at_the_shape_the_videos_frames_pick(pipe, kind_checkp
     assert ours.std() > 1e-3
 
 
+@pytest.mark.slow  # Lucy Edit's LoRA and Euler: test_lora merges at load, test_samplers runs Euler against diffusers
 def test_a_lora_merged_at_load_and_the_euler_sampler_as_diffusers(pipe, kind_bundles, kind_checkpoints,
                                                                    tmp_path: Path) -> None:
     """A Wan-format LoRA made into an adapter (`export --lora`) and merged at load, run with the Euler sampler:

@@ -93,26 +93,26 @@ def test_layout_and_description(savedmodels, fp32_bundles) -> None:
     assert not list(directory.parent.glob(".*partial*"))
 
 
-def test_tf_client_matches_the_runtime(savedmodels, fp32_bundles, tmp_path: Path) -> None:
-    """The same frames from TensorFlow (no jax in the process) as from the runtime, on the same initial
-    latents (max abs error <= 1e-4), and from the same seed (the SavedModel draws the runtime's noise)."""
+@pytest.mark.parametrize("name", ["seed", pytest.param("latents", marks=pytest.mark.slow)])
+def test_tf_client_matches_the_runtime(savedmodels, fp32_bundles, tmp_path: Path, name: str) -> None:
+    """The same frames from TensorFlow (no jax in the process) as from the runtime (max abs error <= 1e-4), from the
+    same seed (the SavedModel draws the runtime's noise) and (the slow tier) on the same initial latents given."""
     bundle = fp32_bundles["tiny-64x32-f9"]
     pipe = runtime.load(bundle)
     init = np.random.default_rng(3).standard_normal(pipe.geometry.latent_shape).astype(np.float32)
     im.save(tmp_path / "init.safetensors", im.LATENTS, {"latents": init}, pipe.bundle_id, {})
     settings = {"steps": 3, "guidance": 4.0, "flow_shift": 2.0}
-    cases = {"latents": (["--latents", str(tmp_path / "init.safetensors")], {"latents": init}),
-             "seed": (["--seed", "11"], {"seed": 11})}
-    for name, (args, kwargs) in cases.items():
-        out, frames_out = tmp_path / f"{name}.mp4", tmp_path / f"{name}.safetensors"
-        proc = tf_generate(str(savedmodels["tiny"]), "--prompt", PROMPT, "--steps", "3", "--guidance", "4",
-                           "--flow-shift", "2", *args, "--out", str(out), "--frames-out", str(frames_out), "-q")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert out.stat().st_size > 0
-        tf_frames = im.load(frames_out, im.FRAMES, pipe.bundle_id, {"frames": (1, 9, 32, 64, 3)})[0]["frames"]
-        expected = pipe.generate(PROMPT, progress=False, **settings, **kwargs)
-        assert expected.std() > 0.01
-        np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4, err_msg=name)
+    args, kwargs = {"latents": (["--latents", str(tmp_path / "init.safetensors")], {"latents": init}),
+                    "seed": (["--seed", "11"], {"seed": 11})}[name]
+    out, frames_out = tmp_path / f"{name}.mp4", tmp_path / f"{name}.safetensors"
+    proc = tf_generate(str(savedmodels["tiny"]), "--prompt", PROMPT, "--steps", "3", "--guidance", "4",
+                       "--flow-shift", "2", *args, "--out", str(out), "--frames-out", str(frames_out), "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.stat().st_size > 0
+    tf_frames = im.load(frames_out, im.FRAMES, pipe.bundle_id, {"frames": (1, 9, 32, 64, 3)})[0]["frames"]
+    expected = pipe.generate(PROMPT, progress=False, **settings, **kwargs)
+    assert expected.std() > 0.01
+    np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow  # another kind: test_tf_client_first_and_last_frame runs a converted kind with more stages
