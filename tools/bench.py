@@ -28,6 +28,7 @@ sys.path.insert(2 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pa
 from benchmarks import (  # noqa: E402
     animate,
     cancel,
+    decoders,
     e2e,
     eager,
     export_time,
@@ -64,6 +65,8 @@ MEASURES = {  # name: (module, the question it answers)
     "quantize": (quantize, "int8 / fp8 / int8-dynamic weights: bytes per device, step time, RSS, fidelity"),
     "roofline": (roofline, "a roofline model of a TPU denoising step from the exported programs"),
     "preview": (preview, "what a live preview (the x0 estimate through a latent-to-RGB map) costs a denoising step"),
+    "decoders": (decoders, "the full VAE, LightVAE and a tiny decoder: decode seconds, a few-step run end to end, "
+                           "PSNR against the VAE"),
     "cancel": (cancel, "the time from a cancel of a running job to the replica's next job, SQLite and PostgreSQL"),
     "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
     "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
