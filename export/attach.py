@@ -193,7 +193,7 @@ def _check_vae_shapes(manifest: mf.Manifest, src: Source) -> None:
         if have.get(name) != tuple(spec.shape):
             given = f"--vae {theirs['file']}" if theirs else f"{src.id}'s VAE"
             exported = f"with --vae {ours['file']}" if ours else "with its checkpoint's VAE"
-            raise UserError(f"{given} does not have the bundle's VAE shapes ({name} is "
+            raise UserError(f"{given} does not match the bundle's architecture ({name} is "
                             f"{list(have[name]) if name in have else 'missing'}, the bundle has {list(spec.shape)}): "
                             f"the bundle was exported {exported}; attach that VAE")
 

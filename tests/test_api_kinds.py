@@ -74,9 +74,9 @@ def serving_offer(name: str, root: Path) -> Iterator[SimpleNamespace]:
         state.store.close()
 
 
-# v2v and Lucy Edit in the slow tier: their documents come from the same kinds table as VACE's (a video in) and
-# test_openapi fuzzes the text-to-video one
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("v2v", "lucy-edit") else n
+# v2v, Lucy Edit and I2V in the slow tier: their documents come from the same kinds table as VACE's (a video in) and
+# Animate's (an image and videos), and test_openapi fuzzes the text-to-video one
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("v2v", "lucy-edit", "i2v") else n
                                   for n in KINDS])
 def test_schemathesis_finds_nothing_in_each_kinds_document(name: str, tmp_path: Path) -> None:
     size, frames = KINDS[name][1][0]

@@ -169,7 +169,7 @@ def test_low_memory_generate_drops_each_stage_once_past_it_and_makes_the_same_vi
     dit = weakref.ref(pipe.bundle.weights("transformer_2", "denoise_step_2")["blocks.0.attn1.to_q.weight"])
     decoded: list[set[str]] = []
     decode = pipe.decode
-    pipe.decode = lambda latents: (decoded.append(set(pipe.bundle._weights)), decode(latents))[1]
+    pipe.decode = lambda latents, *rest: (decoded.append(set(pipe.bundle._weights)), decode(latents, *rest))[1]
     low = pipe.generate(PROMPT, NEGATIVE, image=image, seed=4, steps=STEPS, progress=False, low_memory=True)
     gc.collect()
     decoder = {pipe.manifest.programs[n].weights for n in pipe.manifest.programs if n.startswith("vae_decode")}

@@ -5,6 +5,7 @@ programs, against a PyTorch reference of TAEHV's whole-clip decode written from 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import runtime
 from export import tiny_decoder
 
 from . import taehv_reference as ref
-from .conftest import run_cli, run_modules
+from .conftest import OnDemand, run_cli, run_module
 
 TOL = 1e-4  # fp32 frames in [0, 1]
 WIDTHS = (16, 8, 8, 8)  # the real ones are (256, 128, 64, 64) and (512, 256, 128, 64): the tensors say which
@@ -37,12 +38,18 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, tor
 
 @pytest.fixture(scope="module")
 def bundles(files, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A bundle per decoder file but taew48 (its network is tested on the programs' function below)."""
+    """A bundle per decoder file but taew48 (its network is tested on the programs' function below), the 16-channel
+    ones at once."""
     root = tmp_path_factory.mktemp("tiny-decoder-bundles")
-    names = ("taew", "lighttae", "super")
-    run_modules(*[["export", "--model", FILES[n][5], "--tiny-decoder", str(files[n][0]), *COMMON,
-                   "--out", str(root / n)] for n in names])
-    return {n: root / n for n in names}
+
+    def export(name: str) -> Path:
+        run_module("export", "--model", FILES[name][5], "--tiny-decoder", str(files[name][0]), *COMMON,
+                   "--out", str(root / name))
+        return root / name
+
+    # the 48-channel super decoder's bundle is the slow tier's: its network is checked below in the default run
+    return OnDemand.start({n: functools.partial(export, n) for n in ("taew", "lighttae", "super")},
+                          now=["taew", "lighttae"])
 
 
 def _reference(dec: torch.nn.Sequential, latents: np.ndarray, patch: int) -> np.ndarray:
@@ -50,7 +57,7 @@ def _reference(dec: torch.nn.Sequential, latents: np.ndarray, patch: int) -> np.
     return ref.decode(dec, torch.from_numpy(latents).permute(0, 2, 1, 3, 4), patch).permute(0, 1, 3, 4, 2).numpy()
 
 
-@pytest.mark.parametrize("name", ["taew", "lighttae", "super"])
+@pytest.mark.parametrize("name", ["taew", "lighttae", pytest.param("super", marks=pytest.mark.slow)])
 def test_the_bundles_tiny_decoder_matches_taehv(bundles, files, name: str) -> None:
     """The bundle's chunk programs (first, then next with the memory carried) decode as TAEHV decodes the whole clip:
     taew's normalised latents as they are, lighttae's raw ones (z * std + mean with this bundle's VAE statistics)."""
@@ -161,3 +168,59 @@ def test_bad_input_is_one_line_and_writes_nothing(files, bundles, checkpoints, f
                                    "taew2_1.safetensors), or decode with the full VAE (decoder full)")
     with pytest.raises(runtime.UserError, match="decoder 'small' is not one of full, tiny"):
         runtime.load(bundles["taew"]).generate("x", decoder="small", progress=False)
+
+
+def test_the_server_takes_decoder_where_the_bundle_has_one(bundles, fp32_bundles, tmp_path: Path) -> None:
+    """`decoder` is in the create operation's document of a bundle with a tiny decoder (full, tiny), a job with
+    decoder tiny makes the CLI's video, a bad value is a 400 naming it; a bundle without one neither documents nor
+    takes it (400, as every field a bundle does not offer: runtime/serve/schema.py)."""
+    import httpx
+    import openai
+
+    from runtime import manifest as mf
+    from runtime.serve import schema
+
+    from .test_serve import KEY, _mp4_frames, serving
+
+    bundle = bundles["taew"]
+    run_cli("runtime", "generate", str(bundle), "--prompt", "a kite", "--steps", "2", "--decoder", "tiny",
+            "--out", str(tmp_path / "cli.mp4"), "-q")
+    want = _mp4_frames((tmp_path / "cli.mp4").read_bytes(), tmp_path).astype(np.int16)
+    with serving(bundle, tmp_path / "jobs", "--api-key", KEY) as server:
+        doc = httpx.get(server.url + "/openapi.json").json()
+        body = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["properties"]["decoder"]["enum"] == ["full", "tiny"]
+        client = server.client()
+        video = client.videos.create_and_poll(prompt="a kite", poll_interval_ms=50,
+                                              extra_body={"num_inference_steps": 2, "decoder": "tiny"})
+        assert video.status == "completed", video.error
+        got = _mp4_frames(client.videos.download_content(video.id).read(), tmp_path).astype(np.int16)
+        assert np.abs(got - want).max() <= 1
+        with pytest.raises(openai.BadRequestError, match="decoder 'small' is not one of full, tiny"):
+            client.videos.create(prompt="a kite", extra_body={"decoder": "small"})
+    field = next(f for f in schema.FIELDS if f.name == "decoder")
+    plain = schema.Offer.of(mf.read(fp32_bundles["tiny-64x32-f9"]), "plain")
+    assert not field.offered(plain) and field.refusal(plain).startswith("this bundle has no tiny decoder")
+
+
+def test_attach_takes_the_tiny_decoder_file_too(checkpoints, files, bundles, tmp_path: Path) -> None:
+    """A --no-weights export with --tiny-decoder has its programs and no weights; --attach-weights needs the file
+    (one line without it) and then decodes as the direct export does."""
+    from .conftest import run_module
+
+    out = tmp_path / "bare"
+    run_module("export", "--model", str(checkpoints["tiny"]), "--no-weights", "--tiny-decoder", str(files["taew"][0]),
+               *COMMON, "--out", str(out))
+    assert not (out / "weights" / "tiny_decoder.safetensors").exists()
+    attach = ["--attach-weights", str(out), "--weights", str(checkpoints["tiny"])]
+    proc = run_cli("export", *attach, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: this bundle was exported with a tiny decoder (taew2_1.safetensors): give its weights with "
+        "--tiny-decoder FILE")
+    proc = run_cli("export", *attach, "--tiny-decoder", str(files["taew"][0]), "--tiny-decoder-latents", "raw",
+                   check=False)
+    assert proc.returncode == 2 and "takes raw latents, the bundle's tiny decoder normalized ones" in proc.stderr
+    run_module("export", *attach, "--tiny-decoder", str(files["taew"][0]), "-q")
+    latents = np.random.default_rng(5).standard_normal((1, 16, 3, 4, 8)).astype(np.float32)
+    assert np.abs(runtime.load(out).decode(latents, "tiny") - runtime.load(bundles["taew"]).decode(latents, "tiny")
+                  ).max() <= 1e-6
