@@ -95,8 +95,8 @@ def read(path: Path) -> TinyDecoder:
     """The decoder of the TAEHV-layout .safetensors file at `path`; UserError (one line) for anything else."""
     path = Path(path)
     if path.suffix.lower() in (".pth", ".pt", ".ckpt", ".bin"):
-        raise UserError(f"--tiny-decoder {path}: a {path.suffix} file is a pickle, which is never loaded here: "
-                        "convert it to .safetensors (safetensors.torch.save_file(torch.load(...), 'x.safetensors'))")
+        raise UserError(f"--tiny-decoder {path}: a {path.suffix} file can run code when read, so it is never read "
+                        "here: convert it to .safetensors (safetensors.torch.save_file), where you trust it")
     if not path.is_file():
         raise UserError(f"--tiny-decoder {path}: no such file")
     from safetensors import SafetensorError, safe_open

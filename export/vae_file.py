@@ -10,8 +10,7 @@ one follows the layout's own structure, so any width, stage count or res-block c
 file cannot say (latents_mean/latents_std, the scale factors) stays the checkpoint's: the latent space must
 be the checkpoint's, which is checked (z_dim, spatial and temporal scale) before anything is built.
 
-Only safetensors are read: a pickle (.pth/.pt/.ckpt) can run code when loaded, so it is refused with how to
-convert it.
+Only safetensors are read: a .pth/.pt/.ckpt file can run code when read, so it is refused with how to convert it.
 """
 
 from __future__ import annotations

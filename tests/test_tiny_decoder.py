@@ -146,7 +146,7 @@ def test_bad_input_is_one_line_and_writes_nothing(files, bundles, checkpoints, f
     save_file({"decoder.1.weight": torch.zeros(4, 16, 3, 3)}, str(tmp_path / "cut.safetensors"))  # decoder.3.* missing
     cases = [
         (["--model", str(checkpoints["tiny"]), "--tiny-decoder", str(tmp_path / "taew2_1.pth")],
-         "a .pth file is a pickle, which is never loaded here: convert it to .safetensors"),
+         "a .pth file can run code when read, so it is never read here: convert it to .safetensors"),
         (["--model", str(checkpoints["tiny"]), "--tiny-decoder", str(tmp_path / "other.safetensors")],
          "not a TAEHV-layout tiny decoder (no decoder.N.* tensors)"),
         (["--model", str(checkpoints["tiny"]), "--tiny-decoder", str(tmp_path / "cut.safetensors")],

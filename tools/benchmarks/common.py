@@ -298,6 +298,17 @@ class Report:
     exit_code: int = 0
 
 
+def each_workload(a: Any, measure: Callable[[Any, str, str], tuple[list[Table], dict[str, Any]]]) -> Report:
+    """The Report of `measure(a, workload, dtype)` (its tables, its raw figures) for every --workload x --dtype."""
+    tables, raw = [], []
+    for workload in a.workload:
+        for dtype in a.dtype:
+            t, r = measure(a, workload, dtype)
+            tables += t
+            raw.append(r)
+    return Report(tables, raw)
+
+
 def emit(report: Report, argv: list[str], device: str, json_path: Path | None) -> None:
     header = (f"Measured {time.strftime('%Y-%m-%d')} on {machine(device)}, with "
               f"`python tools/bench.py {shlex.join(argv)}`")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import PROMPT, WORKLOADS, Report, Table, add_common, checkpoint, export, log, median, num
+from .common import PROMPT, WORKLOADS, Report, Table, add_common, checkpoint, each_workload, export, log, median, num
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,10 +134,4 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
 
 
 def run(a: argparse.Namespace) -> Report:
-    tables, raw = [], []
-    for workload in a.workload:
-        for dtype in a.dtype:
-            t, r = measure(a, workload, dtype)
-            tables += t
-            raw.append(r)
-    return Report(tables, raw)
+    return each_workload(a, measure)

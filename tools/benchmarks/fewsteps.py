@@ -17,7 +17,21 @@ import argparse
 import time
 from typing import Any
 
-from .common import GUIDANCE, NEGATIVE, PROMPT, WORKLOADS, Report, Table, add_common, bundle, log, median, num, ratio
+from .common import (
+    GUIDANCE,
+    NEGATIVE,
+    PROMPT,
+    WORKLOADS,
+    Report,
+    Table,
+    add_common,
+    bundle,
+    each_workload,
+    log,
+    median,
+    num,
+    ratio,
+)
 
 RECIPES = {  # name: (steps, guidance, sampler, DiT passes per video)
     "50 unipc steps, guidance 5": (50, GUIDANCE, "unipc", 100),
@@ -79,10 +93,4 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
 
 
 def run(a: argparse.Namespace) -> Report:
-    tables, raw = [], []
-    for workload in a.workload:
-        for dtype in a.dtype:
-            t, r = measure(a, workload, dtype)
-            tables += t
-            raw.append(r)
-    return Report(tables, raw)
+    return each_workload(a, measure)

@@ -25,6 +25,7 @@ from .common import (
     Table,
     add_common,
     bundle,
+    each_workload,
     log,
     median,
     num,
@@ -102,10 +103,4 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
 
 
 def run(a: argparse.Namespace) -> Report:
-    tables, raw = [], []
-    for workload in a.workload:
-        for dtype in a.dtype:
-            t, r = measure(a, workload, dtype)
-            tables += t
-            raw.append(r)
-    return Report(tables, raw)
+    return each_workload(a, measure)
