@@ -226,6 +226,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
     g.add_argument("--decoder", choices=("full", "tiny"), default="full",
                    help="full: the VAE (default); tiny: the bundle's tiny decoder (export --tiny-decoder), faster")
+    g.add_argument("--stream", type=Path, default=None, metavar="DIR",
+                   help="also write the video as an HLS live stream in DIR while it is made: DIR/stream.m3u8 and "
+                        "DIR/stream/<n>.ts, a segment as each part is decoded (`ffplay DIR/stream.m3u8` plays it)")
 
     e = sub.add_parser("encode", parents=[common], help="prompt -> embeddings (safetensors)")
     _bundle_arg(e)
@@ -416,6 +419,11 @@ def run(args: argparse.Namespace) -> int:
     for out in (args.out, getattr(args, "frames_out", None)):
         if out is not None and primary:
             check_writable(out)
+    stream = None
+    if getattr(args, "stream", None) is not None and primary:  # a bad directory fails before any work
+        from .hls import directory_sink
+
+        stream = directory_sink(args.stream)
     if args.command in ("generate", "decode"):
         check_video_path(args.out)
         if args.fps is not None:
@@ -455,12 +463,24 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.quiet
     if args.command in ("generate", "decode"):
         if args.command == "generate":
-            frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
-                                   seed=args.seed, steps=args.steps, guidance=args.guidance,
-                                   guidance_2=args.guidance_2, flow_shift=args.flow_shift, progress=progress,
-                                   magcache=magcache, low_memory=True, sampler=args.sampler, sigmas=args.sigmas,
-                                   **videos, conditioning_scale=args.conditioning_scale, strength=args.strength,
-                                   **animated, **forced, **shape, decoder=args.decoder)  # one video per process
+            live, writer = {}, None
+            if stream is not None:  # process 0 writes it, as the video
+                from .hls import HlsWriter
+
+                writer = HlsWriter(stream, pipe.manifest.defaults.fps if args.fps is None else args.fps)
+                live["on_frames"] = writer.add
+            try:
+                frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image,
+                                       last_image=args.last_image, seed=args.seed, steps=args.steps,
+                                       guidance=args.guidance, guidance_2=args.guidance_2, flow_shift=args.flow_shift,
+                                       progress=progress, magcache=magcache, low_memory=True, sampler=args.sampler,
+                                       sigmas=args.sigmas, **videos, conditioning_scale=args.conditioning_scale,
+                                       strength=args.strength, **animated, **forced, **shape, decoder=args.decoder,
+                                       **live)  # one video per process
+            finally:
+                if writer is not None:
+                    writer.end()  # a failed run's stream ends where it stopped
+                    log.info("streamed %s", args.stream / "stream.m3u8")
         else:
             video_shapes = [s.video_latent_shape for s in pipe.manifest.shapes]  # what denoise writes
             latents = im.load(args.latents, im.LATENTS, pipe.bundle_id, {"latents": video_shapes})[0]["latents"]

@@ -178,10 +178,12 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              latents: Any = None, progress: bool = True, magcache: Any = None, size: Any = None,
              frames: int | None = None, low_memory: bool = False,
              on_step: Callable[[int, int], None] | None = None,
-             on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full") -> np.ndarray:
+             on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full",
+             on_frames: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """frames (B, n, H, W, 3) float32 in [0, 1], n the pose video's frame count (see the module docstring).
     `size` and `frames` pick the bundle shape (the segment); `on_step(done, total)` follows every step of every
-    segment, `on_preview` each step's estimate of the segment's middle frame (Pipeline.denoise). The rest as
+    segment, `on_preview` each step's estimate of the segment's middle frame (Pipeline.denoise), `on_frames(frames)`
+    each segment's frames that the video keeps, (B, f, H, W, 3), as soon as it is decoded. The rest as
     Pipeline.generate."""
     if image is None:
         raise UserError("Wan-Animate needs the character's image (image=..., --image)")
@@ -259,8 +261,12 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
                                     on_preview=on_preview)
             frames_ = pipe.decode(denoised, decoder)  # (B, L, H, W, 3)
             carried = frames_[:, -seg.prev:]
-            out.append(frames_ if i == 0 else frames_[:, seg.prev:])
-        return np.concatenate(out, axis=1)[:, : seg.frames]
+            kept = frames_ if i == 0 else frames_[:, seg.prev:]
+            kept = kept[:, : seg.frames - sum(o.shape[1] for o in out)]  # the video is cut to the pose's frames
+            out.append(kept)
+            if on_frames is not None and kept.shape[1]:
+                on_frames(kept)
+        return np.concatenate(out, axis=1)
     except BaseException:
         pipe.bundle.cancel_prefetch()
         raise

@@ -14,7 +14,8 @@ made in segments overlapping by O = (overlap_history - 1) // 4 + 1 latent frames
     segments    n = 1 + (L - B - 1) // (B - O) + 1
     segment i   min(L - (i (B - O) + O) + O, B) latent frames (B for the first), its first P = O - O % block
                 pinned to the last O accumulated frames' first P, kept at t = 0 (or re-noised: addnoise_condition)
-    the video   segment 0, then each later segment's frames after the first O; one VAE decode of all of it
+    the video   segment 0, then each later segment's frames after the first O, each segment's decoded as it
+                ends (the VAE's memory carried: the same frames as one decode of all of it)
 
 A video of L <= B frames is one segment of L frames (a bundle shape of that many frames must exist), as is the last
 segment's shorter length. Image-to-video pins the image's latent as frame 0 of the first segment (and a last image,
@@ -292,7 +293,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              sampler: str | None = None, sigmas: Sequence[float] | None = None, latents: Any = None,
              progress: bool = True, magcache: Any = None, low_memory: bool = False, size: Any = None,
              frames: int | None = None, on_step: Callable[[int, int], None] | None = None,
-             on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full") -> np.ndarray:
+             on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full",
+             on_frames: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """frames (B, F, H, W, 3) float32 in [0, 1]: `num_frames` frames (4k + 1; default: the segment's) from the prompt,
     the prompt and `image` (+ `last_image`), or after the source `video` (then F = the source's frames + num_frames,
     the first num_frames counting the re-decoded overlap, as diffusers returns it). `size` and `frames` pick the
@@ -303,7 +305,11 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     default the bundle's) as diffusers'. `latents`: one initial noise per segment (B, z, frames, h, w), or the
     first segment's. `on_step(done, total)` follows every row of every segment (it may raise to stop the run: a
     server's cancel), `on_preview(rgb)` gets each row's estimate of the segment's middle frame (Pipeline.denoise).
-    The rest as Pipeline.generate."""
+    `on_frames(frames)` gets the video's frames in order as they are final, (B, f, H, W, 3) each (a video extension's
+    source first): each segment's new frames are decoded as soon as it ends (the frames the next segment pins are
+    final already), the decoder's memory carried from segment to segment (Pipeline.frame_decoder), so what it is
+    given joins into the video returned. With `low_memory` and no `on_frames`, the video is decoded at the end
+    instead, after the DiT's weights are dropped. The rest as Pipeline.generate."""
     if magcache is not None:
         raise UserError("MagCache is not for diffusion forcing: its per-frame timesteps give MagCache's per-step "
                         "schedule nothing to go by; leave magcache out")
@@ -350,6 +356,19 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         run.kv = pipe.prompt_kv(context, 0, pipe.text_rows(context, programs))
         acc: np.ndarray | None = None
         done = 0
+        streaming = on_frames is not None or not low_memory  # decode each segment as it ends (see the docstring)
+        decode = pipe.frame_decoder(decoder)
+        parts: list[np.ndarray] = []
+
+        def emit(frames_: np.ndarray) -> None:
+            parts.append(frames_)
+            if on_frames is not None:
+                on_frames(frames_)
+
+        if source is not None:  # the source (resized, as diffusers' preprocess_video), then what is made
+            pixels = video_input.video_pixels(source, g.width, g.height).transpose(0, 2, 3, 1)
+            head = np.clip(pixels * np.float32(0.5) + np.float32(0.5), 0, 1).astype(np.float32)
+            emit(np.repeat(head[None], g.batch, axis=0))
         for i, (seg, shape, name) in enumerate(zip(p.segments, shapes, programs, strict=True)):
             x0 = noise[i] if noise[i] is not None else seed_noise(s.seed, i, (*g.latent_shape[:2], seg.frames,
                                                                              *g.latent_shape[3:]))
@@ -368,16 +387,15 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
 
             out = denoise_segment(run, i, seg, shape, name, x0, step_done, on_preview)
             out = out[:, :, : seg.frames]  # the last image's frame goes
-            acc = out if acc is None else np.concatenate([acc, out[:, :, p.overlap:]], axis=2)
+            new = out if acc is None else out[:, :, p.overlap:]
+            acc = new if acc is None else np.concatenate([acc, new], axis=2)
             done += rows[i]
-        if low_memory:
+            if streaming:
+                emit(decode(new))
+        if not streaming:
             pipe.unload_before("decode")
-        frames_out = pipe.decode(acc, decoder)
-        if source is not None:  # the source (resized, as diffusers' preprocess_video), then what was made
-            pixels = video_input.video_pixels(source, g.width, g.height).transpose(0, 2, 3, 1)
-            head = np.clip(pixels * np.float32(0.5) + np.float32(0.5), 0, 1).astype(np.float32)
-            frames_out = np.concatenate([np.repeat(head[None], frames_out.shape[0], axis=0), frames_out], axis=1)
-        return frames_out
+            emit(decode(acc))
+        return np.concatenate(parts, axis=1)
     except BaseException:
         pipe.bundle.cancel_prefetch()
         raise

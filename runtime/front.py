@@ -50,10 +50,15 @@ class Pipeline(engine.Pipeline):
           noise per segment), `fps`.
 
         The shared keywords (seed, steps, guidance, flow_shift, sampler, sigmas, size, frames, progress, low_memory,
-        on_step, ...) mean the same everywhere; `loras` (the LoRA set, engine.Pipeline.use_loras) is switched to
-        before any loop runs."""
+        on_step, on_frames, ...) mean the same everywhere; `loras` (the LoRA set, engine.Pipeline.use_loras) is
+        switched to before any loop runs. `stream` (a directory): the video as an HLS live stream there while it is
+        made, `stream.m3u8` and `stream/<n>.ts` (runtime/hls.py), a segment for each part as it is decoded, ended
+        when the call returns or fails (the first video of a batch; at `fps`, default the bundle's)."""
         loop = self.kind.loop
         loras = kwargs.pop("loras", None)
+        stream = kwargs.pop("stream", None)
+        if stream is not None:
+            return self._streamed(stream, prompt, negative_prompt, *args, loras=loras, **kwargs)
         for other, (what, names) in LOOP_KEYWORDS.items():
             given = [n for n in names if kwargs.get(n) is not None]
             if other != loop and given:
@@ -64,6 +69,25 @@ class Pipeline(engine.Pipeline):
         if loras is not None:  # before any loop: whichever runs, its programs use the weights of this set
             self.use_loras(loras)
         return LOOPS[loop](self, prompt, negative_prompt, *args, **kwargs)
+
+    def _streamed(self, stream: str | Path, prompt: Any, negative_prompt: Any, *args: Any, **kwargs: Any
+                  ) -> np.ndarray:
+        """`generate` with its frames written to an HLS stream in directory `stream` as they come."""
+        from . import hls
+
+        fps = kwargs.get("fps") or self.manifest.defaults.fps
+        writer = hls.HlsWriter(hls.directory_sink(stream), fps)
+        given = kwargs.pop("on_frames", None)
+
+        def on_frames(frames: np.ndarray) -> None:
+            writer.add(frames)
+            if given is not None:
+                given(frames)
+
+        try:
+            return self.generate(prompt, negative_prompt, *args, on_frames=on_frames, **kwargs)
+        finally:
+            writer.end()  # a failed run's stream ends where it stopped
 
 
 LOOPS: dict[str, Callable[..., np.ndarray]] = {

@@ -641,23 +641,13 @@ class Pipeline:
         """float32 frames (B, F, H, W, 3) in [0, 1], at the shape of the latents (the video's: what `denoise`
         returns). `decoder`: "full" (the VAE) or "tiny" (the bundle's tiny decoder, `export --tiny-decoder`: the same
         latents, several times faster, coarser); both decode one latent frame per call, their memory carried."""
-        prefix = self.decoder_programs(decoder)
-        latents = np.asarray(latents, np.float32)
-        g = self.decode_shape(latents.shape)
-        host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
-        first = self.bundle.call(self._at(f"{prefix}_first", g))
-        pending, caches = first(latents[:, :, 0:1])
-        chunks = []
-        if latents.shape[2] > 1:
-            nxt = self.bundle.call(self._at(f"{prefix}_next", g))
-            for t in range(1, latents.shape[2]):
-                frames, caches = nxt(latents[:, :, t:t + 1], *caches)  # dispatched: runs while the last is copied
-                # Each chunk comes to the host as the next one runs, so the devices never hold more than two chunks'
-                # frames (they come back whole on every device: the 720p x 81 video is 0.9 GB each).
-                chunks.append(fetch(pending).astype(np.float32))
-                pending = frames
-        chunks.append(fetch(pending).astype(np.float32))
-        return np.concatenate(chunks, axis=1)
+        return self.frame_decoder(decoder)(latents)
+
+    def frame_decoder(self, decoder: str = "full") -> FrameDecoder:
+        """A decoder that takes a video's latents a few frames at a time, in order, its memory carried from call to
+        call: what the segment loops use to decode each segment's final frames as soon as they are known (the frames
+        joined equal one `decode` of all the latents). UserError for a decoder the bundle lacks."""
+        return FrameDecoder(self, self.decoder_programs(decoder))
 
     def _previewer(self, g: mf.Geometry) -> Callable[[Any], np.ndarray] | None:
         """What turns the step programs' state into the live preview's uint8 RGB: the tiny decoder's first-chunk program
@@ -753,7 +743,8 @@ class Pipeline:
                  noise: np.ndarray | None = None,
                  on_step: Callable[[int, int], None] | None = None,
                  on_preview: Callable[[np.ndarray], None] | None = None,
-                 loras: Sequence[adapters.LoraSpec] | None = None, decoder: str = "full") -> np.ndarray:
+                 loras: Sequence[adapters.LoraSpec] | None = None, decoder: str = "full",
+                 on_frames: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
         `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
@@ -770,7 +761,8 @@ class Pipeline:
         One bundle shape, one segment: what runtime/front.py's `generate` runs for the kinds without a loop of their
         own (kinds.Kind.loop).
 
-        `decoder`: "full" (the VAE) or "tiny" (the bundle's tiny decoder: `decode`).
+        `decoder`: "full" (the VAE) or "tiny" (the bundle's tiny decoder: `decode`). `on_frames(frames)` gets the
+        video once decoded (the segment loops call it for each segment's frames as they are made).
 
         `loras`: the LoRA set this run and the later ones use (`use_loras`: (path or name, scale[, expert]) each; `[]`
         none), switched to before anything runs; None keeps the set the weights hold (the one `runtime.load` was given,
@@ -805,10 +797,53 @@ class Pipeline:
                                on_step=step_done, on_preview=on_preview)
             if low_memory:
                 self.unload_before("decode")
-            return self.decode(out, decoder)
+            frames = self.decode(out, decoder)
+            if on_frames is not None:
+                on_frames(frames)
+            return frames
         except BaseException:
             self.bundle.cancel_prefetch()
             raise
+
+
+class FrameDecoder:
+    """Latent frames in, video frames out (float32 (B, F, H, W, 3) in [0, 1]), across calls: the decoder's chunk
+    programs take one latent frame each and carry their memory (the causal convolutions' caches) on the devices, so a
+    video's latents given in parts, in order, decode to the frames one call on all of them makes. The first latent
+    frame makes one frame, each later one `temporal_scale`."""
+
+    def __init__(self, pipe: Pipeline, prefix: str) -> None:
+        self.pipe, self.prefix = pipe, prefix
+        self.shape: mf.Geometry | None = None
+        self.caches: Any = None
+
+    def __call__(self, latents: np.ndarray) -> np.ndarray:
+        latents = np.asarray(latents, np.float32)
+        pipe = self.pipe
+        if self.shape is None:
+            self.shape = pipe.decode_shape(latents.shape)
+            host_memory.release_freed()  # what the denoising steps freed, before the decoder allocates its own
+        g, start = self.shape, 0
+        pending = None
+        if self.caches is None:
+            pending, self.caches = pipe.bundle.call(pipe._at(f"{self.prefix}_first", g))(latents[:, :, 0:1])
+            start = 1
+        chunks = []
+        if latents.shape[2] > start:
+            nxt = pipe.bundle.call(pipe._at(f"{self.prefix}_next", g))
+            for t in range(start, latents.shape[2]):
+                frames, self.caches = nxt(latents[:, :, t:t + 1], *self.caches)  # dispatched: runs as the last copies
+                # Each chunk comes to the host as the next one runs, so the devices never hold more than two chunks'
+                # frames (they come back whole on every device: the 720p x 81 video is 0.9 GB each).
+                if pending is not None:
+                    chunks.append(fetch(pending).astype(np.float32))
+                pending = frames
+        if pending is not None:
+            chunks.append(fetch(pending).astype(np.float32))
+        if not chunks:
+            b, _, _, h, w = latents.shape
+            return np.zeros((b, 0, h * g.spatial_scale, w * g.spatial_scale, 3), np.float32)
+        return np.concatenate(chunks, axis=1)
 
 
 def _names(prompts: list[str], what: str) -> list[str]:

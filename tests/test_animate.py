@@ -107,8 +107,12 @@ def test_matches_diffusers(mode, frames, segment, prev, guidance, segments, bund
     noises = [pipe.initial_latents(10 + i, g) for i in range(segments)]
     image = test_image(40, 56, seed=3)
     kw = _inputs(frames, mode)
+    parts: list[np.ndarray] = []  # each segment's kept frames as soon as it is decoded (the live stream's parts)
     ours = pipe.generate(PROMPT, NEGATIVE, image=image, mode=mode, prev_segment_frames=prev, steps=3,
-                         guidance=guidance, latents=noises, frames=segment, progress=False, **kw)
+                         guidance=guidance, latents=noises, frames=segment, progress=False, on_frames=parts.append,
+                         **kw)
+    assert len(parts) == segments
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), ours)
     with torch.no_grad():
         want = _diffusers(checkpoint, noises)(
             image=image, prompt=PROMPT, negative_prompt=NEGATIVE, height=HEIGHT, width=WIDTH,

@@ -27,6 +27,7 @@ import pytest
 from . import pg_bin
 from .pg_bin import PROGRAMS as PG_PROGRAMS
 from .test_serve import Server, _free_port, _mp4_frames, _wait
+from .test_stream import assert_same_video, stream_frames
 
 openai = pytest.importorskip("openai")
 psycopg = pytest.importorskip("psycopg")
@@ -470,10 +471,18 @@ def test_videos_in_an_object_store(fp32_bundles, queue_url: str, s3: dict[str, s
         video = a.client(key="unused").videos.create_and_poll(prompt="to the bucket", poll_interval_ms=50,
                                                               extra_body={"num_inference_steps": 2})
         assert video.status == "completed", (video.error, a.output(), b.output())
-        for server in (a, b):
+        import httpx
+
+        for server in (a, b):  # one of them did not run the job: it serves the video, and its live stream, alike
             data = server.client(key="unused").videos.download_content(video.id).read()
             assert _mp4_frames(data, tmp_path).shape == (9, 32, 64, 3)
+            base = f"{server.url}/v1/videos/{video.id}/"
+            playlist, frames = stream_frames(httpx.get(base + "stream.m3u8").text,
+                                             lambda name: httpx.get(base + name).content)
+            assert playlist.ended and len(playlist.durations) == 1
+            assert_same_video(frames, _mp4_frames(data, tmp_path))
         assert not list((tmp_path / "a" / "videos").glob("*.mp4")) and not list((tmp_path / "b").glob("videos/*.mp4"))
+        assert not list((tmp_path / "a").glob("streams/*")) and not list((tmp_path / "b").glob("streams/*"))
         assert ObjectStore("s3://videos/run").exists(_rows(queue_url)[video.id][3])
     finally:
         a.stop(signal.SIGKILL)

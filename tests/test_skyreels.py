@@ -412,8 +412,11 @@ def test_df_extension_through_the_extensions_route(df, tmp_path: Path) -> None:
     assert job.params["frames"] == 17 and job.params["derive"] == {"op": "extend", "way": "forcing", "overlap": 5}
     files = [state.store.storage.read(key) for key in job.images]
     shown: list[np.ndarray] = []
-    out = worker.run_job(df, job.params, files, tmp_path / "video.mp4", on_preview=shown.append)
+    parts: list[np.ndarray] = []  # the live stream's: the source, then each segment's new frames, the overlap left out
+    out = worker.run_job(df, job.params, files, tmp_path / "video.mp4", on_preview=shown.append,
+                         on_frames=parts.append)
     assert out.shape == (24, 32, 64, 3) and len(load_frames(tmp_path / "video.mp4")) == 24
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1)[0], out)
     source = load_frames(tmp_path / "source.mp4")
     ref = forcing.extend(df, PROMPT, source, seconds=0.5, overlap_history=5, steps=2, progress=False)[0]
     np.testing.assert_allclose(out[:12], ref[:12], atol=1e-6)

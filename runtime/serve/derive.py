@@ -337,6 +337,23 @@ def forcing_joined(params: dict[str, Any], source_frames: int, frames: np.ndarra
     return np.concatenate([frames[:source_frames], frames[source_frames + shared:]], axis=0)
 
 
+def forcing_live(params: dict[str, Any], source_frames: int, on_frames: Callable[[Any], None]
+                 ) -> Callable[[Any], None]:
+    """What runtime.forcing's `on_frames` gets for a diffusion forcing extension, passed on as `forcing_joined`
+    keeps it: the frames it drops (those the run makes again after the source) never reach `on_frames`."""
+    shared = params["derive"]["overlap"]
+    seen = [0]
+
+    def live(frames: Any) -> None:  # (B, f, H, W, 3)
+        start = seen[0]
+        seen[0] += frames.shape[1]
+        keep = [i for i in range(frames.shape[1]) if not source_frames <= start + i < source_frames + shared]
+        if keep:
+            on_frames(frames[:, keep])
+
+    return live
+
+
 def finish(params: dict[str, Any], added: dict[str, Any], source: Source, extra: list[tuple[str, bytes]]) -> None:
     """The derived job's params: what `remake`/`extend` added, the source job's id, the files' roles after the
     create request's, and an extension's length (the source, then the new frames but those they share)."""

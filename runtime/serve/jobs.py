@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from .. import hls
 from ..files import process_alive
 from .db import Database
 from .storage import Storage
@@ -290,6 +291,7 @@ class JobStore:
                 self.storage.delete(key)
         self._drop_images(job)
         self.storage.delete(self.preview_key(job))
+        self._drop_streams(job)
         return job
 
     # -- reads --------------------------------------------------------------
@@ -339,6 +341,24 @@ class JobStore:
         """Where this attempt's video goes: one key per attempt, so a stale owner never overwrites the file of
         the job's current owner."""
         return f"videos/{job.id}-{job.attempts}.mp4"
+
+    def stream_key(self, job: Job, name: str, attempt: int | None = None) -> str:
+        """Where file `name` of an attempt's live stream goes (runtime/hls.py's names: "stream.m3u8", "stream/<n>.ts"),
+        flat beside the other attempts' (default: the job's current attempt)."""
+        base = f"streams/{job.id}-{job.attempts if attempt is None else attempt}"
+        return f"{base}.m3u8" if name == hls.PLAYLIST else f"{base}-{hls.segment_index(name)}.ts"
+
+    def _drop_streams(self, job: Job) -> None:
+        """Every attempt's stream: the segments its playlist names, then the playlist."""
+        for attempt in range(1, job.attempts + 1):
+            key = self.stream_key(job, hls.PLAYLIST, attempt)
+            try:
+                playlist = hls.Playlist.parse(self.storage.read(key).decode())
+            except (OSError, ValueError):
+                continue
+            for n in range(len(playlist.durations)):
+                self.storage.delete(self.stream_key(job, hls.segment_name(n), attempt))
+            self.storage.delete(key)
 
     def preview_key(self, job: Job) -> str:
         """Where the running attempt's live preview goes (runtime/serve/thumbnails.py); removed when the job ends."""

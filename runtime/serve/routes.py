@@ -4,6 +4,8 @@
     GET    /v1/videos/{id}         the job (queued / in_progress / completed / failed, progress 0-100)
     GET    /v1/videos/{id}/content the mp4; ?variant=thumbnail (a WebP: the live preview while it runs, then the first
                                    frame) or spritesheet (a JPEG grid of frames)
+    GET    /v1/videos/{id}/stream.m3u8   the live stream (HLS, runtime/hls.py): a segment as each part is decoded,
+    GET    /v1/videos/{id}/stream/{n}.ts  ended once the job ends; served from the video storage by any replica
     GET    /v1/videos              newest first (limit, after, order)
     GET    /v1/models              the bundle served and its shapes (size, frames, seconds)
     DELETE /v1/videos/{id}         remove it (a queued one never runs; a running one stops at its next step)
@@ -36,6 +38,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
+from .. import hls
 from . import access, derive, loras, thumbnails, webhooks
 from . import openapi as oa
 from .errors import ApiError
@@ -199,6 +202,33 @@ def create_app(state: State) -> FastAPI:
             return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
         return StreamingResponse(store.storage.chunks(job.video), media_type="video/mp4",
                                  headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+
+    @app.get("/v1/videos/{video_id}/stream.m3u8", operation_id="streamVideo", response_class=Response,
+             summary="The video as an HLS live stream while it is made: an EVENT playlist, a segment added as each "
+                     "part is decoded, ended (#EXT-X-ENDLIST) when the job ends",
+             responses={200: {"description": "the playlist (no segments yet while the job waits or its first part "
+                                             "is made); its segment URIs are relative: stream/<n>.ts",
+                              "content": {hls.PLAYLIST_TYPE: {"schema": {"type": "string"}}}},
+                        **oa.errors(404)})
+    def stream_playlist(request: Request, video_id: VideoId) -> Response:
+        job = _job(store, video_id, request.state.tenant)
+        return Response(_playlist(store, job), media_type=hls.PLAYLIST_TYPE, headers={"Cache-Control": "no-store"})
+
+    @app.get("/v1/videos/{video_id}/stream/{segment}.ts", operation_id="streamSegment", response_class=Response,
+             summary="One segment of the live stream (MPEG-TS, H.264): written once, never changed",
+             responses={200: {"description": "the segment", "content": {hls.SEGMENT_TYPE: {
+                 "schema": {"type": "string", "format": "binary"}}}}, **oa.errors(404)})
+    def stream_segment(request: Request, video_id: VideoId, segment: Annotated[int, Path(
+            ge=0, le=999_999_999, description="the segment's number, from 0, as the playlist names it")]) -> Response:
+        job = _job(store, video_id, request.state.tenant)
+        key = store.stream_key(job, hls.segment_name(segment))
+        try:
+            data = store.storage.read(key)
+        except (FileNotFoundError, OSError):
+            raise ApiError(404, f"video {video_id}'s stream has no segment {segment} (yet): the playlist, GET "
+                                f"/v1/videos/{video_id}/stream.m3u8, names those there are") from None
+        return Response(data, media_type=hls.SEGMENT_TYPE,
+                        headers={"Cache-Control": "private, max-age=31536000, immutable"})
 
     @app.delete("/v1/videos/{video_id}", operation_id="deleteVideo", response_model=None,
                 summary="Remove a job and its video: a queued job never runs, a running one stops at its next step "
@@ -443,6 +473,22 @@ def _live_preview(store: JobStore, job: Job) -> Response:
         raise ApiError(409, f"video {job.id} has no preview yet: its first denoising step has not finished (or this "
                             "model's latents have no preview map); poll again", code="video_not_ready") from None
     return Response(thumbnails.live(data, job.size), media_type="image/webp", headers={"Cache-Control": "no-store"})
+
+
+def _playlist(store: JobStore, job: Job) -> str:
+    """The stream's playlist as its attempt last wrote it, ended here if the job has ended (a worker that died, or
+    lost its storage, before ending it); an empty one for a job no attempt has started (ended if it failed or was
+    cancelled first); 404 for a completed job with none (made before the server kept streams)."""
+    try:
+        playlist = hls.Playlist.parse(store.storage.read(store.stream_key(job, hls.PLAYLIST)).decode())
+    except (FileNotFoundError, OSError, ValueError):
+        if job.status == "completed":
+            raise ApiError(404, f"video {job.id} has no stream (it was made before this server kept streams): "
+                                f"download it with GET /v1/videos/{job.id}/content") from None
+        playlist = hls.Playlist()
+    if job.status in ("completed", "failed"):
+        playlist.ended = True
+    return playlist.text()
 
 
 def _derived_image(store: JobStore, job: Job, variant: str) -> Response:

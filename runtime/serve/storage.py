@@ -2,7 +2,8 @@
 GCS FUSE) or an object store URL (`--videos-url s3://bucket/prefix`, `gs://...`, through fsspec).
 
 Keys are relative paths ("videos/<id>-<attempt>.mp4" and the thumbnail and spritesheet beside it, "images/<id>-<i>.img",
-"previews/<id>-<attempt>.png"). A write is never seen half done:
+"previews/<id>-<attempt>.png", the live stream's "streams/<id>-<attempt>.m3u8" and "streams/<id>-<attempt>-<n>.ts").
+A write is never seen half done:
 a directory gets a temporary name then a rename; an object store gets the whole object in one put.
 """
 
@@ -19,7 +20,7 @@ from ..errors import UserError
 from ..files import private_dir
 
 CHUNK = 1 << 20
-SUBDIRS = ("videos", "images", "previews")
+SUBDIRS = ("videos", "images", "previews", "streams")
 
 
 class Storage(Protocol):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import hls
 from ..errors import UserError
 from . import derive, thumbnails
 from .jobs import Job, JobStore, Lost, derived_keys
@@ -35,12 +36,16 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
             on_stage: Callable[[str], None] = lambda stage: None,
             on_preview: Callable[[Any], None] = lambda rgb: None,
             check: Callable[[], None] = lambda: None,
-            on_lora: Callable[[dict[str, Any] | None], None] = lambda switched: None) -> Any:
+            on_lora: Callable[[dict[str, Any] | None], None] = lambda switched: None,
+            on_frames: Callable[[Any], None] = lambda frames: None) -> Any:
     """Generate one job's video (every process of a multi-host job runs this, with the same callbacks called at the
     same points; only process 0 writes) and return its frames (F, H, W, 3) in [0, 1]. `on_progress` follows the
     denoising steps, `on_stage` each finished stage ("encode", "denoise", "decode"), `on_preview` gets each step's
     estimate of the middle frame (Pipeline.denoise); `check` runs after every step and stage and raises to stop;
-    `on_lora` gets the job's LoRA set taken up (what the switch did, or None where the weights held it already)."""
+    `on_lora` gets the job's LoRA set taken up (what the switch did, or None where the weights held it already);
+    `on_frames` the video's frames in order, as they are final ((F, H, W, 3) or (1, F, H, W, 3) each: a segment
+    loop's each segment's, as it is decoded; the one-shape kinds' whole video at the end), which join into the video
+    returned."""
     from ..magcache import MagCache
     from ..video import write_video
     from .loras import specs
@@ -66,6 +71,7 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
 
     if pipe.kind.forcing:  # any length, in overlapping segments: runtime/forcing.py
         source = media.pop("_source", None)  # an extension's (derive.py's "forcing" way): the video continued
+        live = on_frames if source is None else derive.forcing_live(params, len(source), on_frames)
         check()
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
                                last_image=media.get("last_image"), video=source, num_frames=params["frames"],
@@ -75,7 +81,7 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                                seed=s.seed, steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift,
                                sampler=s.sampler, sigmas=s.sigmas, progress=False, size=params.get("size"),
                                on_step=steps_done, on_preview=on_preview,
-                               decoder=params.get("decoder") or "full")[0]
+                               decoder=params.get("decoder") or "full", on_frames=live)[0]
         if source is not None:  # the source, then the new part after the frames it re-decodes (those shared)
             frames = derive.forcing_joined(params, len(source), frames)
         stage_done("decode")
@@ -91,7 +97,7 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                                guidance=s.guidance, flow_shift=s.flow_shift, sampler=s.sampler, sigmas=s.sigmas,
                                progress=False, magcache=magcache, size=params.get("size"), frames=params.get("frames"),
                                on_step=steps_done, on_preview=on_preview,
-                               decoder=params.get("decoder") or "full")
+                               decoder=params.get("decoder") or "full", on_frames=on_frames)
         stage_done("decode")
         if video is not None:
             write_video(frames[0], video, fps=params["fps"])
@@ -117,6 +123,7 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     stage_done("denoise")
     # extensions: the source, then the new frames
     frames = derive.joined(params, media, pipe.decode(latents, params.get("decoder") or "full")[0])
+    on_frames(frames)
     stage_done("decode")
     if video is not None:
         write_video(frames, video, fps=params["fps"])
@@ -192,6 +199,7 @@ def _run(state: State, job: Job) -> None:
     steps = [0]
     agree = _agree if state.broadcast is not None else None  # a multi-host slice stops as one
     writer = thumbnails.PreviewWriter(store.storage, store.preview_key(job))
+    stream: hls.HlsWriter | None = None
     with Lease(lambda: store.heartbeat(job), store.lease, state.settings.stall, state.on_stall) as lease:
 
         def refused() -> None:
@@ -237,9 +245,11 @@ def _run(state: State, job: Job) -> None:
             if state.broadcast is not None:
                 state.broadcast({"params": job.params, "images": images})
             key = store.video_key(job)
+            stream = _stream(store, job)
             with store.storage.writer(key, ".mp4") as video:
                 frames = run_job(state.pipe, job.params, images, video, on_progress=progress, on_step_time=step_time,
-                                 on_stage=stage, on_preview=writer.offer, check=check, on_lora=lora_taken)
+                                 on_stage=stage, on_preview=writer.offer, check=check, on_lora=lora_taken,
+                                 on_frames=stream.add)
             also = derived_keys(key)
             for derived, data in zip(also, thumbnails.derive(frames), strict=True):
                 store.storage.put(derived, data)
@@ -255,6 +265,7 @@ def _run(state: State, job: Job) -> None:
                 log.exception("job %s: internal error", job.id)
                 failure = ("internal_error", f"{type(e).__name__}: {e}")
     writer.close()
+    _end(stream)  # however it ended: a failed or cancelled job's stream ends where it stopped
     if cancelled:
         outcome = "cancelled"
         store.storage.delete(store.preview_key(job))
@@ -280,6 +291,20 @@ def _run(state: State, job: Job) -> None:
     if m:
         m.job_seconds.observe(took)
         m.replica_jobs.labels(outcome).inc()
+
+
+def _stream(store: JobStore, job: Job) -> hls.HlsWriter:
+    """The attempt's live stream (runtime/hls.py), in the video storage beside its video: any replica serves it."""
+    return hls.HlsWriter(lambda name, data: store.storage.put(store.stream_key(job, name), data), job.params["fps"])
+
+
+def _end(stream: hls.HlsWriter | None) -> None:
+    if stream is None:
+        return
+    try:
+        stream.end()
+    except Exception as e:  # noqa: BLE001  (the storage is away: the route ends a finished job's playlist itself)
+        log.warning("cannot end the live stream's playlist: %s: %s", type(e).__name__, e)
 
 
 def _fail(store: JobStore, job: Job, code: str, message: str) -> str:
