@@ -233,3 +233,66 @@ def test_an_image_kind_shows_its_image_input_and_sends_the_image(browser, kind_b
                                timeout=60_000)
         assert video.evaluate("v => [v.videoWidth, v.videoHeight]") == [64, 32]
         page.close()
+
+
+def test_a_segment_job_plays_live_while_it_runs(browser, skyreels_bundles, tmp_path: Path) -> None:
+    """A diffusion forcing job (1.5 s: three segments) on a server with a key: while the job is in_progress, held
+    after its first segment is stored, the page plays that segment through hls.js (which sends the key with each
+    request); once the job completes, the mp4 takes the live player's place."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    import runtime
+    from runtime.serve.routes import create_app
+
+    from .test_stream import Gate, _app, _run_in_thread
+
+    _, state = _app(tmp_path, runtime.load(skyreels_bundles["skyreels-df"]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    serving_thread = threading.Thread(target=server.run, daemon=True)
+    serving_thread.start()
+    gate, job_thread = Gate(state.store.storage), None
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.get_by_label("API key").fill("k")
+        page.get_by_role("button", name="Use key").click()
+        page.get_by_label("Prompt", exact=True).fill("waves on a long beach")
+        page.get_by_label("Steps").fill("2")
+        page.get_by_label("Seconds (any length: overlapping segments)").fill("1.5")
+        page.get_by_label("Overlap (frames)").fill("5")
+        page.get_by_role("button", name="Generate").click()
+        deadline = time.time() + 30
+        while (job := state.store.claim()) is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert job is not None
+        job_thread = _run_in_thread(state, job)
+        assert gate.written.wait(120)
+        live = page.get_by_label("Live: waves on a long beach")
+        sync_api.expect(live).to_have_count(1, timeout=30_000)
+        page.wait_for_function("v => v.currentTime > 0 && !v.paused && v.readyState >= 2",
+                               arg=live.element_handle(), timeout=60_000)
+        assert state.store.get(job.id).status == "in_progress"  # playing while the job runs
+        assert live.evaluate("v => [v.videoWidth, v.videoHeight]") == [64, 32]
+        gate.go.set()
+        job_thread.join(120)
+        assert state.store.get(job.id).status == "completed"
+        sync_api.expect(page.get_by_label("Video: waves on a long beach")).to_have_count(1, timeout=60_000)
+        sync_api.expect(live).to_have_count(0)
+        page.close()
+    finally:
+        gate.go.set()
+        if job_thread is not None:
+            job_thread.join(120)
+        server.should_exit = True
+        serving_thread.join(30)
+        state.store.close()

@@ -1,5 +1,7 @@
 """The playground page at `GET /`: static files from runtime/serve/ui/, served under a strict
-Content-Security-Policy."""
+Content-Security-Policy. ui/hls.light.min.js is hls.js 1.7.4 as npm ships it (`npm pack hls.js@1.7.4`,
+dist/hls.light.min.js; Apache-2.0, ui/hls.js.LICENSE.txt): it plays a running job's live stream where the browser
+has Media Source Extensions, adding the page's API key to its requests, which a native HLS player cannot."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from fastapi.responses import Response
 from .errors import ApiError
 
 UI_DIR = Path(__file__).with_name("ui")
-UI_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+UI_FILES = {"app.js": "text/javascript", "style.css": "text/css", "hls.light.min.js": "text/javascript",
+            "hls.js.LICENSE.txt": "text/plain; charset=utf-8"}
 # The page runs only its own script file (no inline script, no eval), talks only to this server, and shows media
 # only from it or from the blobs it downloaded.
 UI_HEADERS = {

@@ -1,11 +1,13 @@
 // The playground: one page on the server's public API (/v1/models, /v1/videos, /v1/videos/{id},
-// /v1/videos/{id}/content, its live preview ?variant=thumbnail), as any client would use it. Everything a user or the server wrote is shown with
+// /v1/videos/{id}/content, its live preview ?variant=thumbnail, a segment kind's live stream
+// /v1/videos/{id}/stream.m3u8), as any client would use it. Everything a user or the server wrote is shown with
 // textContent, never as HTML.
 "use strict";
 
 const KEY = "wan-aot-api-key";
 const $ = (id) => document.getElementById(id);
 const videos = new Map(); // job id -> object URL of its downloaded mp4
+const lives = new Map(); // job id -> the hls.js player of its live stream
 let model = null;
 let polling = null;
 
@@ -254,7 +256,10 @@ function updateItem(li, job) {
   // from its first step on, so it is there once progress shows.
   if (job.status === "in_progress" && job.progress >= 1) showPreview(li, job);
   else if (job.status !== "in_progress") dropPreview(li);
-  if (job.status === "completed" && !li.querySelector("video")) showVideo(li, job);
+  // A segment kind's running job plays as it is made: each segment's frames join its live stream once decoded.
+  if (job.status === "in_progress" && model && (model.forcing || model.animate)) showLive(li, job);
+  else if (job.status !== "in_progress") dropLive(li);
+  if (job.status === "completed" && !li.querySelector("video:not(.live)")) showVideo(li, job);
 }
 
 async function showPreview(li, job) {
@@ -288,6 +293,38 @@ function dropPreview(li) {
   }
 }
 
+// The live stream through hls.js (ui/hls.light.min.js), which adds the key to each request, where the browser has
+// Media Source Extensions; elsewhere the live preview stays what shows the job running.
+function showLive(li, job) {
+  if (li.querySelector("video.live") || !window.Hls || !Hls.isSupported()) return;
+  const video = document.createElement("video");
+  video.className = "live";
+  video.muted = true;
+  video.autoplay = true;
+  video.controls = true;
+  video.playsInline = true;
+  video.setAttribute("aria-label", "Live: " + job.prompt);
+  const player = new Hls({
+    enableWorker: false, // the page's Content-Security-Policy starts no worker
+    xhrSetup: (xhr) => {
+      const key = sessionStorage.getItem(KEY);
+      if (key) xhr.setRequestHeader("Authorization", "Bearer " + key);
+    },
+  });
+  player.loadSource(`/v1/videos/${encodeURIComponent(job.id)}/stream.m3u8`);
+  player.attachMedia(video);
+  lives.set(job.id, player);
+  li.insertBefore(video, li.querySelector(".error"));
+}
+
+function dropLive(li) {
+  const video = li.querySelector("video.live");
+  if (!video) return;
+  lives.get(li.dataset.id)?.destroy();
+  lives.delete(li.dataset.id);
+  video.remove();
+}
+
 async function showVideo(li, job) {
   li.dataset.loading = "1";
   try {
@@ -295,7 +332,7 @@ async function showVideo(li, job) {
       const blob = await (await api(`/v1/videos/${encodeURIComponent(job.id)}/content`)).blob();
       videos.set(job.id, URL.createObjectURL(blob));
     }
-    if (li.querySelector("video")) return;
+    if (li.querySelector("video:not(.live)")) return;
     const video = document.createElement("video");
     video.controls = true;
     video.loop = true;
