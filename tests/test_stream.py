@@ -213,7 +213,11 @@ def test_the_first_segment_is_served_while_the_job_runs(df, tmp_path: Path, end:
     finally:
         gate.go.set()
         thread.join(120)
-    text = client.get(f"/v1/videos/{vid}/stream.m3u8").text
+    import httpx
+    import openai
+
+    sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="k", http_client=client)  # the README's lines
+    text = sdk.get(f"/videos/{vid}/stream.m3u8", cast_to=httpx.Response).text
     playlist, frames = stream_frames(text, lambda name: client.get(f"/v1/videos/{vid}/{name}").content)
     assert playlist.ended
     if end == "cancelled":

@@ -44,6 +44,7 @@ from benchmarks import (  # noqa: E402
     serve,
     speedups,
     startup,
+    stream,
     vace,
 )
 from benchmarks.common import Usage, emit, run_child  # noqa: E402
@@ -70,6 +71,8 @@ MEASURES = {  # name: (module, the question it answers)
     "cancel": (cancel, "the time from a cancel of a running job to the replica's next job, SQLite and PostgreSQL"),
     "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
     "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
+    "stream": (stream, "time to the first playable segment of a live stream against the whole video (diffusion "
+                       "forcing, Wan-Animate)"),
 }
 
 
