@@ -403,6 +403,9 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
         def preview_key(self, job) -> str:
             return "previews/j-1.png"
 
+        def stream_key(self, job, name: str) -> str:
+            return "streams/j-1.m3u8" if name == "stream.m3u8" else f"streams/j-1-{name[7:-3]}.ts"
+
         def cancelled(self, job) -> bool:
             return False
 
@@ -419,7 +422,7 @@ def test_a_heartbeat_in_flight_as_a_job_ends_is_not_a_takeover(tmp_path: Path, m
 
     monkeypatch.setattr(worker, "run_job", run_job)
     state = st.State(settings=SimpleNamespace(stall=10.0, limits=Limits()), store=Store())
-    job = SimpleNamespace(id="j", attempts=1, images=[], params={})
+    job = SimpleNamespace(id="j", attempts=1, images=[], params={"fps": 16})
     with caplog.at_level("INFO", logger="runtime"):
         worker._run(state, job)
     assert completed.is_set() and (tmp_path / "videos" / "j-1.mp4").read_bytes() == b"mp4"
