@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,3 +63,21 @@ def private_file(path: Path) -> Path:
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     return path
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FULL_MESSAGES = ("no space left on device", "disk quota exceeded", "database or disk is full")
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether `e` (or an exception it was raised from) says a disk or quota is full: ENOSPC or EDQUOT, or the text of
+    one as a child process (ffmpeg) or SQLite reports it."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
+            return True
+        if any(m in str(e).lower() for m in FULL_MESSAGES):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+

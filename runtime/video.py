@@ -67,7 +67,38 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> P
                 writer.append_data(frame)
         finally:
             writer.close()
+        if path.suffix.lower() in (".mp4", ".mov"):
+            check_complete(tmp)
     return path
+
+
+def check_complete(path: Path) -> None:
+    """An ISO BMFF file (mp4, mov) whose top-level boxes fill it exactly and include ftyp, moov and mdat; OSError
+    otherwise (ENOSPC if its disk has no room left), so that a file ffmpeg left short, which it can do with a zero
+    exit on a full disk, is never renamed into place."""
+    size, at, boxes = os.path.getsize(path), 0, set()
+    with open(path, "rb") as f:
+        while at < size:
+            f.seek(at)
+            head = f.read(16)
+            if len(head) < 8:
+                break
+            length, kind = int.from_bytes(head[:4], "big"), head[4:8]
+            if length == 1 and len(head) == 16:
+                length = int.from_bytes(head[8:16], "big")
+            elif length == 0:
+                length = size - at
+            if length < 8:
+                break
+            boxes.add(kind)
+            at += length
+    if at != size or not {b"ftyp", b"moov", b"mdat"} <= boxes:
+        import errno
+        import shutil
+
+        full = shutil.disk_usage(path.parent).free < (1 << 20)
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      f"the video written is incomplete ({size} bytes){': no space left on device' * full}")
 
 
 def write_videos(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> list[Path]:

@@ -16,7 +16,7 @@ class ApiError(Exception):
                              405: "method_not_allowed", 408: "request_timeout", 409: "conflict",
                              413: "request_too_large", 415: "unsupported_media_type", 416: "range_not_satisfiable",
                              429: "queue_full", 431: "request_header_fields_too_large", 500: "internal_error",
-                             503: "unavailable"}.get(status, "error")
+                             503: "unavailable", 507: "storage_full"}.get(status, "error")
 
     def body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error"

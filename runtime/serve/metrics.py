@@ -33,6 +33,7 @@ class Metrics:
     replica_jobs: Any
     lora_switches: Any = None  # wan_aot_lora_switches_total: LoRA set changes between jobs on this replica
     lora_switch_seconds: Any = None  # one change: the tensors it touches merged again from their unmodified weights
+    storage_errors: Any = None  # wan_aot_storage_errors_total{kind}: writes the video storage refused, by kind
 
 
 def make_metrics(store: JobStore) -> Metrics:
@@ -70,6 +71,9 @@ def make_metrics(store: JobStore) -> Metrics:
                       ["outcome"], registry=reg)
     for outcome in ("completed", "failed", "lost", "cancelled"):
         replica.labels(outcome)
+    storage_errors = Counter("wan_aot_storage_errors", "writes the video storage (or the jobs directory) refused, by "
+                             "kind (full: no space left)", ["kind"], registry=reg)
+    storage_errors.labels("full")
     buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
     return Metrics(
         registry=reg, queue_depth=queue, jobs=jobs,
@@ -82,5 +86,6 @@ def make_metrics(store: JobStore) -> Metrics:
                               registry=reg),
         lora_switch_seconds=Histogram("wan_aot_lora_switch_seconds", "one change of the LoRA set: the tensors it "
                                       "touches merged again from their unmodified weights", registry=reg,
-                                      buckets=(0.001, 0.005, *buckets)))
+                                      buckets=(0.001, 0.005, *buckets)),
+        storage_errors=storage_errors)
 

@@ -155,13 +155,15 @@ _WHY = {400: "a field, parameter or body the API does not take (`param` names it
         415: "a body neither JSON nor multipart/form-data", 416: "a Range outside the video",
         429: "the queue is full", 431: "the request's head is too large",
         503: "the model is still loading, the server is draining, or it is at a limit (--max-connections, "
-             "--max-uploads)"}
+             "--max-uploads)",
+        507: "the server's storage is full: nothing was queued"}
 _HEADERS = {
     401: {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},
     416: {"Content-Range": {"required": True, "description": "bytes */SIZE", "schema": {"type": "string"}}},
     429: {"Retry-After": {"required": True, "description": "seconds, about one job's time",
                           "schema": {"type": "integer"}}},
     503: {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}},
+    507: {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}},
 }
 # What any request may be answered before it reaches its route (access.py, limits.py, the body limit).
 ANY_ROUTE = (400, 408, 413, 431, 503)

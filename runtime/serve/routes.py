@@ -39,6 +39,7 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
 from .. import hls
+from ..files import disk_full
 from . import access, derive, loras, thumbnails, webhooks
 from . import openapi as oa
 from .errors import ApiError
@@ -142,7 +143,7 @@ def create_app(state: State) -> FastAPI:
     @app.post("/v1/videos", operation_id="createVideo", summary="Queue a job",
               openapi_extra={"requestBody": oa.create_request(state.offer)},
               responses={200: {"model": oa.Video, "description": "the job, queued", "links": oa.VIDEO_LINKS},
-                         **oa.errors(400, 408, 413, 415, 429, 503)})
+                         **oa.errors(400, 408, 413, 415, 429, 503, 507)})
     async def create(request: Request) -> JSONResponse:
         _ready_for_jobs(state)
         tenant = request.state.tenant
@@ -377,6 +378,14 @@ def _queue(state: State, params: dict[str, Any], files: list[bytes], tenant: str
                               tenant_queue_size=state.settings.tenant_queue_size)
     except QueueFull as e:
         raise _queue_full(state, e) from None
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        if state.metrics is not None:
+            state.metrics.storage_errors.labels("full").inc()
+        raise ApiError(507, "the server's storage is full (no space left for the job's files or its record): "
+                            "nothing was queued; retry once an operator has freed space",
+                       headers={"Retry-After": "60"}) from None
     state.wake.set()
     return JSONResponse(job.to_api())
 
@@ -423,7 +432,7 @@ def derive_routes(app: FastAPI, state: State) -> None:
               "prompt (remixed_from_video_id names it)", include_in_schema=remakes,
               openapi_extra={"requestBody": oa.derived_request(state.offer, "remix")},
               responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
-                         **oa.errors(400, 404, 409, 413, 415, 429, 503)})
+                         **oa.errors(400, 404, 409, 413, 415, 429, 503, 507)})
     async def remix(request: Request, video_id: VideoId) -> JSONResponse:
         return await derived(request, "remix", video_id)
 
@@ -431,7 +440,7 @@ def derive_routes(app: FastAPI, state: State) -> None:
               "by id) with a new prompt", include_in_schema=remakes,
               openapi_extra={"requestBody": oa.derived_request(state.offer, "edit")},
               responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
-                         **oa.errors(400, 404, 409, 413, 415, 429, 503)})
+                         **oa.errors(400, 404, 409, 413, 415, 429, 503, 507)})
     async def edit(request: Request) -> JSONResponse:
         return await derived(request, "edit")
 
@@ -439,7 +448,7 @@ def derive_routes(app: FastAPI, state: State) -> None:
               "completed one by id): the result is the video, then `seconds` more", include_in_schema=extends,
               openapi_extra={"requestBody": oa.derived_request(state.offer, "extend")},
               responses={200: {"model": oa.Video, "description": "the new job, queued", "links": oa.VIDEO_LINKS},
-                         **oa.errors(400, 404, 409, 413, 415, 429, 503)})
+                         **oa.errors(400, 404, 409, 413, 415, 429, 503, 507)})
     async def extension(request: Request) -> JSONResponse:
         return await derived(request, "extend")
 

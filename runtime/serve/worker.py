@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import hls
 from ..errors import UserError
+from ..files import disk_full
 from . import derive, thumbnails
 from .jobs import Job, JobStore, Lost, derived_keys
 from .lease import Lease
@@ -168,7 +169,12 @@ def worker(state: State) -> None:
             state.wake.clear()
             continue
         state.idle.clear()
-        _run(state, job)
+        try:
+            _run(state, job)
+        except Exception as e:  # noqa: BLE001  (recording the outcome failed: the database or storage is away)
+            # The worker lives on: the job's lease, no longer heartbeated, runs out and a claim takes it up again.
+            log.error("job %s: its outcome could not be recorded (%s: %s); it is retried once its lease runs out",
+                      job.id, type(e).__name__, e)
     state.idle.set()
 
 
@@ -200,6 +206,7 @@ def _run(state: State, job: Job) -> None:
     agree = _agree if state.broadcast is not None else None  # a multi-host slice stops as one
     writer = thumbnails.PreviewWriter(store.storage, store.preview_key(job))
     stream: hls.HlsWriter | None = None
+    key = store.video_key(job)
     with Lease(lambda: store.heartbeat(job), store.lease, state.settings.stall, state.on_stall) as lease:
 
         def refused() -> None:
@@ -244,7 +251,6 @@ def _run(state: State, job: Job) -> None:
             images = [store.storage.read(key) for key in job.images]
             if state.broadcast is not None:
                 state.broadcast({"params": job.params, "images": images})
-            key = store.video_key(job)
             stream = _stream(store, job)
             with store.storage.writer(key, ".mp4") as video:
                 frames = run_job(state.pipe, job.params, images, video, on_progress=progress, on_step_time=step_time,
@@ -259,7 +265,18 @@ def _run(state: State, job: Job) -> None:
             failure = ("generation_failed", str(e))
             log.warning("job %s: failed: %s", job.id, e)
         except Exception as e:  # noqa: BLE001  (the job fails, the server lives on)
-            if store.cancelled(job):  # its images went with it, say
+            if disk_full(e):  # the video storage is full: nothing was renamed into place (storage.py, video.py)
+                failure = ("storage_full", "the video could not be stored: the video storage is full (no space left "
+                                           "on device); submit the job again once space is freed")
+                log.error("job %s: failed: the video storage is full: %s", job.id, e)
+                if m:
+                    m.storage_errors.labels("full").inc()
+                for k in (key, *derived_keys(key)):  # a video stored before its thumbnail failed is not the job's
+                    try:
+                        store.storage.delete(k)
+                    except OSError:
+                        pass
+            elif store.cancelled(job):  # its images went with it, say
                 cancelled = True
             else:
                 log.exception("job %s: internal error", job.id)
