@@ -347,6 +347,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--videos-url", metavar="URL", default=None,
                    help="keep videos and uploaded images in an object store (s3://bucket/prefix, gs://...; the "
                         "objectstore extra) instead of --jobs-dir, which replicas must otherwise share")
+    r.add_argument("--queue-wait", type=float, default=120.0, metavar="SECONDS",
+                   help="how long to wait for a --queue database that cannot be reached at start-up (restarting, not "
+                        "up yet), saying so every 10 s, before giving up with status 2 (default 120)")
+    r.add_argument("--store-retry-seconds", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a job's writes to a --videos-url store that fails (5xx, unreachable) are retried, "
+                        "with backoff, before the job fails with storage_unavailable (default 300)")
     r.add_argument("--lease", type=float, default=60.0, metavar="SECONDS",
                    help="a running job whose heartbeat is older than this is taken over by another replica "
                         "(default 60)")
@@ -661,6 +667,9 @@ def serve(args: argparse.Namespace) -> int:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
         loopback = False
+    for flag, value in (("--queue-wait", args.queue_wait), ("--store-retry-seconds", args.store_retry_seconds)):
+        if not value >= 0:
+            raise UserError(f"{flag} {value:g}: give a number of seconds, 0 or more")
     if not loopback and keys is None and not args.insecure:
         raise UserError(f"--host {args.host} is reachable from other machines: set --api-key (or WAN_AOT_API_KEY) or "
                         "--api-keys FILE, or pass --insecure to serve without one")
@@ -677,6 +686,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(bundle=args.bundle, keys=keys, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
+                        queue_wait=args.queue_wait, store_retry=args.store_retry_seconds,
                         max_steps=args.max_steps, max_seconds=args.max_seconds,
                         names=server_names(args.host, args.allowed_host), limits=limits, webhooks=webhooks,
                         loras=tuple(offered.values()), max_loras=args.max_loras,

@@ -10,11 +10,8 @@ server refuses root), stopped at the end. Object storage is moto's S3 server on 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +23,7 @@ import pytest
 
 from . import pg_bin
 from .pg_bin import PROGRAMS as PG_PROGRAMS
+from .pg_cluster import Cluster
 from .test_serve import Server, _free_port, _mp4_frames, _wait
 from .test_stream import assert_same_video, stream_frames
 
@@ -36,37 +34,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"
 LEASE = "2"  # seconds: short, so that a takeover happens within the test
 
 
-def _as_postgres(*cmd: str) -> list[str]:
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else list(cmd)
-
-
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[str]:
-    """A PostgreSQL server of its own on a loopback port; yields its admin URL."""
-    bin_dir = pg_bin.find()
-    if bin_dir is None:
-        where = ", ".join(map(str, pg_bin.candidates()))
-        raise AssertionError(f"PostgreSQL's server is not installed (no initdb in {where or '/usr/lib/postgresql'}): "
-                             "apt-get install postgresql (.ci/run does)")
-    root = Path(tempfile.mkdtemp(prefix="wan-aot-pg-"))
-    root.chmod(0o755)
-    data, sock = root / "data", root / "sock"
-    sock.mkdir()
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-        shutil.chown(sock, "postgres")
-    port = _free_port()
-    subprocess.run(_as_postgres(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"),
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run(_as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-o",
-                                f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c max_connections=200",
-                                "-l", str(root / "log"), "-w", "start"), check=True, capture_output=True, timeout=120)
+    """A PostgreSQL server of its own on a loopback port (tests/pg_cluster.py); yields its admin URL."""
+    cluster = Cluster()
+    cluster.start()
     try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        yield cluster.url
     finally:
-        subprocess.run(_as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"),
-                       capture_output=True, timeout=120)
-        shutil.rmtree(root, ignore_errors=True)
+        cluster.remove()
 
 
 def test_the_newest_installed_server_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -492,17 +468,27 @@ def test_videos_in_an_object_store(fp32_bundles, queue_url: str, s3: dict[str, s
         b.stop(signal.SIGKILL)
 
 
-def test_a_bad_queue_url_is_one_line(fp32_bundles, tmp_path: Path) -> None:
+def test_a_bad_queue_url_is_one_line(fp32_bundles, postgres: str, tmp_path: Path) -> None:
+    """Nothing listening: waited for --queue-wait seconds, then one line naming the flag; a server that refuses (no
+    such database) is not waited for; not PostgreSQL at all."""
     from .conftest import run_module
 
     port = _free_port()
     with socket.socket() as s:  # nothing listens there
         s.bind(("127.0.0.1", port))
-    for url, message in ((f"postgresql://postgres@127.0.0.1:{port}/x", "cannot connect to the job database"),
+    missing = postgres.rsplit("/", 1)[0] + "/no_such_database"
+    for url, message in ((f"postgresql://postgres@127.0.0.1:{port}/x", "after 1 s"),
+                         (missing, 'database "no_such_database" does not exist'),
                          ("mysql://x", "is not a postgresql:// URL")):
+        t0 = time.monotonic()
         proc = run_module("runtime", "serve", str(fp32_bundles["tiny-64x32-f9"]), "--queue", url, "--jobs-dir",
-                          str(tmp_path / "jobs"), "--port", str(_free_port()), check=False, timeout=120)
+                          str(tmp_path / "jobs"), "--port", str(_free_port()), "--queue-wait", "1", check=False,
+                          timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "cannot connect to the job database" in last or "mysql" in url, last
+        assert ("--queue-wait SECONDS" in last) == (message == "after 1 s"), last  # only a silence is waited for
+        assert time.monotonic() - t0 < 30
 
 
 def test_a_jobs_directory_from_before_the_lease_columns_is_upgraded(tmp_path: Path) -> None:

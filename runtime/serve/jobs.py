@@ -29,7 +29,9 @@ Times are the database's clock (one clock for every replica); videos and images 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -40,8 +42,10 @@ from typing import Any, Protocol
 from .. import hls
 from ..files import process_alive
 from .db import Database
-from .storage import Storage
+from .storage import Storage, StorageUnavailable
 from .tenants import DEFAULT_TENANT
+
+log = logging.getLogger("runtime")
 
 MAX_ATTEMPTS = 2  # a job whose replica died twice while running it is failed, not retried forever
 DEFAULT_LEASE_S = 60.0  # a job's heartbeat older than this: any replica may take it over
@@ -143,7 +147,7 @@ class JobStore:
         job_id = "video_" + secrets.token_hex(12)
         keys = [f"images/{job_id}-{i}.img" for i in range(len(images))]
         for key, data in zip(keys, images):  # stored first: a claimed job always finds its images
-            self.storage.put(key, data)
+            self.storage.put(key, data, retry=False)  # a client's request is not held while a store fails: a 503
         try:
             with self.db.transaction(exclusive=True) as tx:  # the depth check and the insert as one
                 _check_room(tx, tenant, queue_size, tenant_queue_size)
@@ -154,7 +158,8 @@ class JobStore:
                                   json.dumps(keys), tenant))
         except BaseException:
             for key in keys:
-                self.storage.delete(key)
+                with contextlib.suppress(Exception):  # (the storage failing too: orphans, never a job's)
+                    self.storage.delete(key)
             raise
         return self.get(job_id)  # type: ignore[return-value]
 
@@ -215,18 +220,17 @@ class JobStore:
         its own)."""
         if not self._fenced(job, f"status = 'completed', progress = 100, completed_at = {self.db.now_int}, video = ?",
                             (video,), event="completed"):
-            for key in (video, *also):
-                self.storage.delete(key)
+            self._discard(video, *also)
             raise Lost(job.id)
         self._drop_images(job)
-        self.storage.delete(self.preview_key(job))
+        self._discard(self.preview_key(job))
 
     def fail(self, job: Job, code: str, message: str) -> None:
         if not self._fenced(job, f"status = 'failed', completed_at = {self.db.now_int}, error_code = ?, "
                                  "error_message = ?", (code, message), event="failed"):
             raise Lost(job.id)
         self._drop_images(job)
-        self.storage.delete(self.preview_key(job))
+        self._discard(self.preview_key(job))
 
     def cancel(self, job_id: str, tenant: str | None = None) -> Job | None:
         """Cancel a queued or running job, keeping it: failed, with code `cancelled` (one write: it is never claimed
@@ -246,7 +250,7 @@ class JobStore:
         if not n:
             raise NotCancellable(job.status)
         self._drop_images(job)
-        self.storage.delete(self.preview_key(job))
+        self._discard(self.preview_key(job))
         return job
 
     def cancelled(self, job: Job) -> bool:
@@ -287,10 +291,9 @@ class JobStore:
         if n == 0:
             return None
         if job.video:
-            for key in (job.video, *derived_keys(job.video)):
-                self.storage.delete(key)
+            self._discard(job.video, *derived_keys(job.video))
         self._drop_images(job)
-        self.storage.delete(self.preview_key(job))
+        self._discard(self.preview_key(job))
         self._drop_streams(job)
         return job
 
@@ -354,11 +357,10 @@ class JobStore:
             key = self.stream_key(job, hls.PLAYLIST, attempt)
             try:
                 playlist = hls.Playlist.parse(self.storage.read(key).decode())
-            except (OSError, ValueError):
+            except (OSError, ValueError, StorageUnavailable):
                 continue
-            for n in range(len(playlist.durations)):
-                self.storage.delete(self.stream_key(job, hls.segment_name(n), attempt))
-            self.storage.delete(key)
+            self._discard(*(self.stream_key(job, hls.segment_name(n), attempt)
+                            for n in range(len(playlist.durations))), key)
 
     def preview_key(self, job: Job) -> str:
         """Where the running attempt's live preview goes (runtime/serve/thumbnails.py); removed when the job ends."""
@@ -396,8 +398,16 @@ class JobStore:
             self.events.job_ended(tx, tenant, job_id, f"video.{status}")
 
     def _drop_images(self, job: Job | None) -> None:
-        for key in job.images if job else []:
-            self.storage.delete(key)
+        self._discard(*(job.images if job else []))
+
+    def _discard(self, *keys: str) -> None:
+        """Remove files the job's record no longer refers to (recorded first): a storage failing now leaves them
+        behind, never served, with a line in the log, rather than failing what was recorded."""
+        for key in keys:
+            try:
+                self.storage.delete(key)
+            except Exception as e:  # noqa: BLE001  (the object store is away, say)
+                log.warning("cannot remove %s, which no job refers to any more: %s: %s", key, type(e).__name__, e)
 
 
 def derived_keys(video: str) -> tuple[str, str]:
@@ -407,16 +417,17 @@ def derived_keys(video: str) -> tuple[str, str]:
 
 
 def open_store(jobs_dir: Path, queue: str | None = None, videos_url: str | None = None,
-               lease: float = DEFAULT_LEASE_S) -> JobStore:
-    """The store a server uses: the database at `queue` (None: SQLite under `jobs_dir`) and the storage at
-    `videos_url` (None: `jobs_dir`)."""
+               lease: float = DEFAULT_LEASE_S, queue_wait: float = 120.0, store_retry: float = 300.0) -> JobStore:
+    """The store a server uses: the database at `queue` (None: SQLite under `jobs_dir`; PostgreSQL waited for up to
+    `queue_wait` seconds) and the storage at `videos_url` (None: `jobs_dir`; a store's failing writes retried for
+    `store_retry` seconds)."""
     from .db import open_database
     from .storage import Directory, open_storage
 
-    storage = open_storage(videos_url, jobs_dir)
+    storage = open_storage(videos_url, jobs_dir, store_retry)
     if isinstance(storage, Directory) and queue is None:  # one server owns the directory: left by a crash of it
         storage.remove_partials()
-    return JobStore(open_database(queue, jobs_dir), storage, lease)
+    return JobStore(open_database(queue, jobs_dir, queue_wait), storage, lease)
 
 
 def _turns(rows: list[tuple]) -> list[tuple]:

@@ -49,6 +49,7 @@ class Lease:
         self._last = time.monotonic()
 
     def _run(self) -> None:
+        failing = False
         while not self._done.wait(self.interval):
             if time.monotonic() - self._last > self.stall:
                 self.stalled = True
@@ -61,5 +62,8 @@ class Lease:
                     log.warning("the running job is no longer this replica's: a client cancelled or deleted it, or "
                                 "(its lease having run out) another replica took it over")
                     return
+                failing = False
             except Exception as e:  # noqa: BLE001  (the database is away: the lease may run out, keep trying)
-                log.warning("heartbeat failed: %s", e)
+                if not failing:  # once per outage, not once per heartbeat
+                    log.warning("heartbeat failed: %s; trying again every %.1f s", e, self.interval)
+                failing = True

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .db import DatabaseUnavailable
 from .jobs import JobStore
 
 # Request metrics are labelled with these methods and the route templates only: a label made of what a client sent
@@ -42,10 +43,14 @@ def make_metrics(store: JobStore) -> Metrics:
     reg = CollectorRegistry()
     counts: dict[str, Any] = {"at": 0.0, "value": {}}
 
-    def count(status: str) -> int:  # one query per scrape, shared by the gauges
+    def count(status: str) -> float:  # one query per scrape, shared by the gauges; NaN while the database is away
         if time.monotonic() - counts["at"] > 0.5:
-            counts["value"], counts["at"] = store.counts(), time.monotonic()
-        return counts["value"][status]
+            try:
+                counts["value"] = store.counts()
+            except DatabaseUnavailable:
+                counts["value"] = {}
+            counts["at"] = time.monotonic()
+        return counts["value"].get(status, float("nan"))
 
     class Tenants:
         """wan_aot_tenant_jobs{tenant, status}: the tenants are those with jobs in the store, so a collector."""
@@ -55,7 +60,11 @@ def make_metrics(store: JobStore) -> Metrics:
 
             family = GaugeMetricFamily("wan_aot_tenant_jobs", "jobs in the shared store, by tenant name and status",
                                        labels=["tenant", "status"])
-            for tenant, statuses in sorted(store.tenant_counts().items()):
+            try:
+                tenants = store.tenant_counts()
+            except DatabaseUnavailable:  # a scrape while the database is away: the tenants' series pause
+                tenants = {}
+            for tenant, statuses in sorted(tenants.items()):
                 for status, n in statuses.items():
                     family.add_metric([tenant, status], n)
             yield family
@@ -66,14 +75,30 @@ def make_metrics(store: JobStore) -> Metrics:
     for status in ("queued", "in_progress", "completed", "failed"):
         jobs.labels(status).set_function(lambda s=status: count(s))
     reg.register(Tenants())
+
+    class Database:
+        """wan_aot_queue_db_errors_total and wan_aot_queue_db_up: what the database layer counts (runtime/serve/db.py),
+        read at each scrape."""
+
+        def collect(self) -> Any:
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+            yield CounterMetricFamily("wan_aot_queue_db_errors", "statements that found the job database unreachable",
+                                      value=store.db.errors)
+            yield GaugeMetricFamily("wan_aot_queue_db_up", "1 while the job database answers (its last statement "
+                                    "reached it), else 0", value=1 if store.db.up else 0)
+
+    reg.register(Database())
     replica = Counter("wan_aot_replica_jobs", "jobs this replica ran, by outcome (lost: taken over by another; "
                       "cancelled: a client cancelled or deleted it while it ran, and it stopped)",
                       ["outcome"], registry=reg)
     for outcome in ("completed", "failed", "lost", "cancelled"):
         replica.labels(outcome)
-    storage_errors = Counter("wan_aot_storage_errors", "writes the video storage (or the jobs directory) refused, by "
-                             "kind (full: no space left)", ["kind"], registry=reg)
-    storage_errors.labels("full")
+    storage_errors = Counter("wan_aot_storage_errors", "the video storage's (or the jobs directory's) failures, by "
+                             "kind (full: no space left; unavailable: the store failed past its retries)", ["kind"],
+                             registry=reg)
+    for kind in ("full", "unavailable"):
+        storage_errors.labels(kind)
     buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
     return Metrics(
         registry=reg, queue_depth=queue, jobs=jobs,

@@ -140,7 +140,7 @@ class Health(_Strict):
 
 
 class Ready(_Strict):
-    status: Literal["ready", "loading", "draining", "failed"]
+    status: Literal["ready", "loading", "draining", "failed", "database_unavailable"]
     model: str | None = None
     bundle_id: str | None = None
     error: str | None = None
@@ -154,8 +154,9 @@ _WHY = {400: "a field, parameter or body the API does not take (`param` names it
                                                                           "(--max-body-mb)",
         415: "a body neither JSON nor multipart/form-data", 416: "a Range outside the video",
         429: "the queue is full", 431: "the request's head is too large",
-        503: "the model is still loading, the server is draining, or it is at a limit (--max-connections, "
-             "--max-uploads)",
+        503: "the model is still loading, the server is draining, it is at a limit (--max-connections, "
+             "--max-uploads), or the job database or video store cannot be reached now (`code` "
+             "database_unavailable, storage_unavailable)",
         507: "the server's storage is full: nothing was queued"}
 _HEADERS = {
     401: {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},

@@ -42,14 +42,17 @@ from .. import hls
 from ..files import disk_full
 from . import access, derive, loras, thumbnails, webhooks
 from . import openapi as oa
+from .db import DatabaseUnavailable
 from .errors import ApiError
 from .jobs import Job, JobStore, NotCancellable, QueueFull, derived_keys
 from .metrics import method_label
 from .playground import add_playground
 from .schema import FILE_FIELDS, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
 from .state import State
+from .storage import StorageUnavailable
 
 log = logging.getLogger("runtime")
+RETRY_S = 5  # Retry-After while the job database or the video store is away
 VideoId = Annotated[str, Path(description="a video's id, as POST /v1/videos answered it")]
 
 
@@ -67,6 +70,19 @@ def create_app(state: State) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return _answer(e)
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def database_away(request: Request, e: DatabaseUnavailable) -> JSONResponse:
+        return _answer(ApiError(503, "the job database cannot be reached right now (restarting?); retry in a few "
+                                     "seconds", code="database_unavailable", headers={"Retry-After": str(RETRY_S)}))
+
+    @app.exception_handler(StorageUnavailable)
+    async def storage_away(request: Request, e: StorageUnavailable) -> JSONResponse:
+        if state.metrics is not None:
+            state.metrics.storage_errors.labels("unavailable").inc()
+        log.warning("%s %s: %s", method_label(request.method), route_of(app, request.scope), e)
+        return _answer(ApiError(503, "the video store cannot be reached right now; retry in a few seconds",
+                                code="storage_unavailable", headers={"Retry-After": str(RETRY_S)}))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -112,7 +128,8 @@ def create_app(state: State) -> FastAPI:
 
     @app.get("/ready", operation_id="ready", response_model=None, summary="Readiness: 200 once every program is "
              "compiled", responses={200: {"model": oa.Ready}, 503: {"model": oa.Ready, "description": "loading, "
-                                                                    "draining, or failed (with `error`)"}})
+                                                                    "draining, failed (with `error`), or the job "
+                                                                    "database cannot be reached"}})
     def ready() -> JSONResponse:
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
@@ -120,6 +137,9 @@ def create_app(state: State) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
+        if not store.db.ping():  # no job can be created, read or run: a load balancer sends requests elsewhere
+            return JSONResponse({"status": "database_unavailable"}, status_code=503,
+                                headers={"Retry-After": str(RETRY_S)})
         return JSONResponse({"status": "ready", "model": state.model, "bundle_id": state.pipe.bundle_id})
 
     @app.get("/metrics", operation_id="metrics", response_class=PlainTextResponse, summary="Prometheus metrics",

@@ -85,7 +85,8 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
     try:
         offer = Offer.of(mf.read(settings.bundle), settings.bundle.resolve().name, min(settings.max_steps, MAX_STEPS),
                          settings.loras, settings.max_loras, settings.max_seconds)
-        store = open_store(settings.jobs_dir, settings.queue, settings.videos_url, settings.lease)
+        store = open_store(settings.jobs_dir, settings.queue, settings.videos_url, settings.lease,
+                           settings.queue_wait, settings.store_retry)
     except BaseException:
         sock.close()
         raise

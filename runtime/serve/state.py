@@ -29,6 +29,8 @@ class Settings:
     magcache: Any = None  # runtime.MagCache every job runs with (recorded in the job's params), or None
     queue: str | None = None  # the job database: None (SQLite under jobs_dir) or a postgresql:// URL
     videos_url: str | None = None  # videos and images in an object store instead of jobs_dir
+    queue_wait: float = 120.0  # seconds a server waits for its --queue database at start-up (db.py)
+    store_retry: float = 300.0  # seconds a job's writes to a failing --videos-url store are retried (storage.py)
     lease: float = 60.0  # seconds without a heartbeat after which another replica takes a job over
     stall: float = DEFAULT_STALL_S  # seconds without progress after which a replica gives its job up and exits
     ui: bool = True  # the playground page at GET / (runtime/serve/ui/)

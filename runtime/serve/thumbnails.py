@@ -166,7 +166,7 @@ class PreviewWriter:
 
     def _store(self, rgb: np.ndarray) -> None:
         try:
-            self.storage.put(self.key, png(rgb))
+            self.storage.put(self.key, png(rgb), retry=False)  # a failing store: this one is skipped
             self.written += 1
         except Exception as e:  # noqa: BLE001  (a preview is a nicety: the job goes on, one line in the log)
             if not self._failed:

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import UserError
+from .db import DatabaseUnavailable
 from .errors import ApiError
 
 log = logging.getLogger("runtime")
@@ -425,14 +426,19 @@ class Sender:
             if t.is_alive():
                 t.join(timeout)
 
-    def pending(self) -> int:
-        with self.db.transaction(exclusive=False) as tx:
-            return int(tx.one("SELECT COUNT(*) FROM wan_aot_webhook_deliveries WHERE state = 'pending'")[0])
+    def pending(self) -> float:
+        try:
+            with self.db.transaction(exclusive=False) as tx:
+                return int(tx.one("SELECT COUNT(*) FROM wan_aot_webhook_deliveries WHERE state = 'pending'")[0])
+        except DatabaseUnavailable:  # a scrape while the database is away
+            return float("nan")
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 delivery = self.claim()
+            except DatabaseUnavailable:  # the database layer says so once, and when it is back; due ones wait
+                delivery = None
             except Exception as e:  # noqa: BLE001  (the database is away for a moment: stay up, try again)
                 log.warning("webhooks: cannot read the deliveries: %s: %s", type(e).__name__, e)
                 delivery = None

@@ -5,7 +5,13 @@ While a job runs, every denoising step writes its progress (fenced, runtime/serv
 preview to a writer thread (runtime/serve/thumbnails.py); every step and stage boundary asks whether a client has
 cancelled or deleted the job, and if so the run stops there (`Cancelled`), storing nothing, and the worker takes the
 next job. On a multi-host slice process 0 decides and every process learns it at the same boundary (follower.agree).
-A completed job also gets its thumbnail and spritesheet, made from the frames in memory."""
+A completed job also gets its thumbnail and spritesheet, made from the frames in memory.
+
+The job database may go away while a job runs (PostgreSQL restarting): progress and stage writes are skipped while it
+is (the lease's heartbeats fail, and the job is taken over if the outage outlasts the lease), and the outcome is
+written once it is back, waited for up to --queue-wait; fenced, so a job taken over meanwhile is not completed twice.
+An object store that fails past --store-retry-seconds fails the job with storage_unavailable; its frames are not
+kept (a retry denoises again)."""
 
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ from .. import hls
 from ..errors import UserError
 from ..files import disk_full
 from . import derive, thumbnails
+from .db import DatabaseUnavailable
 from .jobs import Job, JobStore, Lost, derived_keys
 from .lease import Lease
 from .state import State
+from .storage import StorageUnavailable
 
 log = logging.getLogger("runtime")
 
@@ -158,6 +166,8 @@ def worker(state: State) -> None:
     while not state.draining.is_set():
         try:  # with adapters offered, preferring a job of the set the weights hold (jobs.py, loras.py)
             job = store.claim(state.lora_key if state.settings.loras else None, state.settings.lora_affinity_max)
+        except DatabaseUnavailable:  # said once by the database layer, and again when it is back
+            job = None
         except Exception as e:  # noqa: BLE001  (the database is away for a moment: try again, stay up)
             log.warning("cannot claim a job: %s: %s", type(e).__name__, e)
             job = None
@@ -214,7 +224,10 @@ def _run(state: State, job: Job) -> None:
             run out) another replica took it over, in which case the run goes on (the other processes of a slice are
             in the same program) and its result is dropped."""
             if stop[0] is None:
-                stop[0] = store.cancelled(job)
+                try:
+                    stop[0] = store.cancelled(job)
+                except DatabaseUnavailable:  # asked again at the next refusal
+                    return
             if not stop[0]:
                 lease.lost = True
 
@@ -225,11 +238,17 @@ def _run(state: State, job: Job) -> None:
                     store.set_progress(job, p)
                 except Lost:
                     refused()
+                except DatabaseUnavailable:  # the next step's progress says it
+                    pass
 
         def stage(name: str) -> None:
             lease.progress()
-            if not lease.lost and not stop[0] and not store.heartbeat(job):
-                refused()
+            if not lease.lost and not stop[0]:
+                try:
+                    if not store.heartbeat(job):
+                        refused()
+                except DatabaseUnavailable:
+                    pass
 
         def check() -> None:
             if lease.lost and stop[0] is None:  # the lease's heartbeat was refused first: why?
@@ -246,9 +265,9 @@ def _run(state: State, job: Job) -> None:
                 m.step_seconds.observe(seconds)
 
         try:
-            if store.cancelled(job):  # deleted or cancelled between the claim and now (no other process involved yet)
+            if _patiently(state, lambda: store.cancelled(job)):  # deleted or cancelled since the claim
                 raise Cancelled
-            images = [store.storage.read(key) for key in job.images]
+            images = [store.storage.read(key, wait=True) for key in job.images]
             if state.broadcast is not None:
                 state.broadcast({"params": job.params, "images": images})
             stream = _stream(store, job)
@@ -271,12 +290,14 @@ def _run(state: State, job: Job) -> None:
                 log.error("job %s: failed: the video storage is full: %s", job.id, e)
                 if m:
                     m.storage_errors.labels("full").inc()
-                for k in (key, *derived_keys(key)):  # a video stored before its thumbnail failed is not the job's
-                    try:
-                        store.storage.delete(k)
-                    except OSError:
-                        pass
-            elif store.cancelled(job):  # its images went with it, say
+                _drop(store, key)
+            elif isinstance(e, StorageUnavailable):  # the object store failed past --store-retry-seconds
+                failure = ("storage_unavailable", f"the video could not be stored: {e}; submit the job again once "
+                                                  "the store is back")
+                log.error("job %s: failed: %s", job.id, e)
+                if m:
+                    m.storage_errors.labels("unavailable").inc()
+            elif _patiently(state, lambda: store.cancelled(job)):  # its images went with it, say
                 cancelled = True
             else:
                 log.exception("job %s: internal error", job.id)
@@ -285,23 +306,27 @@ def _run(state: State, job: Job) -> None:
     _end(stream)  # however it ended: a failed or cancelled job's stream ends where it stopped
     if cancelled:
         outcome = "cancelled"
-        store.storage.delete(store.preview_key(job))
+        try:
+            store.storage.delete(store.preview_key(job))
+        except Exception as e:  # noqa: BLE001  (the storage is away: a preview nothing serves any more)
+            log.warning("job %s: cannot remove its preview: %s", job.id, e)
         log.info("job %s: cancelled by a client; stopped after %d denoising steps, nothing stored", job.id, steps[0])
     elif failure is not None:
-        outcome = _fail(store, job, *failure)
+        outcome = _fail(state, job, *failure)
     else:
         try:
-            store.complete(job, key, also)
+            _patiently(state, lambda: store.complete(job, key, also))
             outcome = "completed"
             log.info("job %s: completed in %.1f s", job.id, time.perf_counter() - t0)
         except Lost:
-            if store.cancelled(job):  # while the video was written: nothing stays
+            if _patiently(state, lambda: store.cancelled(job)):  # while the video was written: nothing stays
                 outcome = "cancelled"
                 log.info("job %s: cancelled by a client as it ended; nothing stored", job.id)
             else:
                 outcome = "lost"
                 log.warning("job %s: taken over by another replica while this one ran it; its result is dropped",
                             job.id)
+                _drop(store, key)  # this attempt's video (the new owner's has its own name)
     state.wake_webhooks()  # its end's deliveries are due
     took = time.perf_counter() - t0
     state.job_seconds[:] = [*state.job_seconds[-9:], took]
@@ -324,12 +349,36 @@ def _end(stream: hls.HlsWriter | None) -> None:
         log.warning("cannot end the live stream's playlist: %s: %s", type(e).__name__, e)
 
 
-def _fail(store: JobStore, job: Job, code: str, message: str) -> str:
+def _drop(store: JobStore, key: str) -> None:
+    """A failed job's video and its derived files, where some were stored: not the job's."""
+    for k in (key, *derived_keys(key)):
+        try:
+            store.storage.delete(k)
+        except Exception:  # noqa: BLE001  (the storage is away: nothing refers to them)
+            pass
+
+
+def _patiently(state: State, fn: Callable[[], Any]) -> Any:
+    """`fn()`, again with backoff while the job database is away, for up to --queue-wait seconds: a finished job's
+    outcome outlives a database restart (then DatabaseUnavailable, and the lease running out retries the job)."""
+    t0, delay = time.monotonic(), 0.5
+    while True:
+        try:
+            return fn()
+        except DatabaseUnavailable:
+            if time.monotonic() - t0 + delay > state.settings.queue_wait:
+                raise
+            time.sleep(delay)  # short: once it is back, this replica's record races the others' takeover
+            delay = min(1.0, delay * 2)
+
+
+def _fail(state: State, job: Job, code: str, message: str) -> str:
+    store = state.store
     try:
-        store.fail(job, code, message)
+        _patiently(state, lambda: store.fail(job, code, message))
         return "failed"
     except Lost:
-        if store.cancelled(job):
+        if _patiently(state, lambda: store.cancelled(job)):
             return "cancelled"
         log.warning("job %s: taken over by another replica; its failure is not recorded", job.id)
         return "lost"
