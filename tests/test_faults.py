@@ -244,8 +244,10 @@ def test_a_database_restart_loses_no_job(fp32_bundles, tmp_path: Path) -> None:
 
 
 class FailingS3:
-    """moto's S3 server (a bucket `videos`) behind a loopback proxy that passes requests on, or, while `down`, answers
-    each with a 500 InternalError, counting them (`failed`)."""
+    """moto's S3 server (a bucket `videos`) behind a loopback relay that passes requests on, or, while `down`, answers
+    each with a 500 InternalError, counting them (`failed`); `close()` stops it listening (the store cannot be
+    reached: connections refused) and `reopen()` listens again on the same port (moto itself stays up: a restarted
+    moto forgets its buckets)."""
 
     def __init__(self) -> None:
         import http.client
@@ -261,10 +263,20 @@ class FailingS3:
         boto3.client("s3", endpoint_url=f"http://{host}:{port}", aws_access_key_id="test",
                      aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket="videos")
         self.down, self.failed = False, 0
+        self.connections: set = set()  # the clients' open (kept-alive) connections: cut by close()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                proxy.connections.add(self.connection)
+
+            def finish(self) -> None:
+                proxy.connections.discard(self.connection)
+                with contextlib.suppress(OSError):
+                    super().finish()
 
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -295,24 +307,43 @@ class FailingS3:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._serve = lambda port: http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.http = self._serve(0)
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.env = {"FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.http.server_address[1]}",
+        self.port = self.http.server_address[1]
+        self.env = {"FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
                     "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
                     "AWS_MAX_ATTEMPTS": "1"}  # one request per try: the retries timed here are the server's own
 
-    def stop(self) -> None:
+    def close(self) -> None:
+        import socket
+
         self.http.shutdown()
         self.http.server_close()
+        self.http = None
+        for conn in list(self.connections):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def reopen(self) -> None:
+        import threading
+
+        self.http = self._serve(self.port)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.close()
         self.moto.stop()
 
 
 def test_a_failing_object_store_is_retried_then_fails_the_job(fp32_bundles, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Videos in an S3 store that answers 500 to everything. A client's download of a stored video is a 503 in the
-    OpenAI shape (code storage_unavailable, Retry-After), not a 500. A job that ends meanwhile retries its upload with
-    backoff and completes once the store is back; past --store-retry-seconds it fails with storage_unavailable,
-    nothing of it stored, and the server goes on. wan_aot_storage_errors_total{kind="unavailable"} counts both."""
+    """Videos in an S3 store. While it answers 500 to everything, a client's download of a stored video is a 503 in
+    the OpenAI shape (code storage_unavailable, Retry-After), not a 500. A job whose store cannot be reached (the relay
+    closed) for OUTAGE_S as it ends retries its upload with backoff and completes once the store is back, its video
+    whole; with the outage past --store-retry-seconds a job fails with storage_unavailable, nothing of it stored, and
+    the server goes on. wan_aot_storage_errors_total{kind="unavailable"} counts the reads and the failed job."""
     import threading
 
     from runtime.serve import worker
@@ -320,6 +351,7 @@ def test_a_failing_object_store_is_retried_then_fails_the_job(fp32_bundles, tmp_
 
     from .test_serve import _mp4_frames
 
+    outage_s = 10.0
     s3 = FailingS3()
     try:
         for k, v in s3.env.items():
@@ -341,12 +373,16 @@ def test_a_failing_object_store_is_retried_then_fails_the_job(fp32_bundles, tmp_
             read = client.get(f"/v1/videos/{first}/content{variant}")
             assert read.status_code == 503 and read.json()["error"]["code"] == "storage_unavailable", read.text
             assert read.headers["retry-after"] == "5"
-        second = job()  # no file of its own: queued while the store is down
+        s3.down = False
+
+        second = job()  # no file of its own: queued, then the store goes away as it runs
+        s3.close()
+        closed = time.monotonic()
         run = threading.Thread(target=worker._run, args=(state, state.store.claim()))
         run.start()
-        _until(lambda: s3.failed >= 6, 60, "the job's writes were not tried")
-        time.sleep(1.0)
-        s3.down = False
+        time.sleep(max(0.0, outage_s - (time.monotonic() - closed)))
+        assert run.is_alive(), "the job did not wait for its store"
+        s3.reopen()
         run.join(90)
         assert not run.is_alive()
         done = client.get(f"/v1/videos/{second}").json()
@@ -354,15 +390,15 @@ def test_a_failing_object_store_is_retried_then_fails_the_job(fp32_bundles, tmp_
         assert _mp4_frames(client.get(f"/v1/videos/{second}/content").content, tmp_path).shape == (9, 32, 64, 3)
 
         storage.retry = 2.0  # --store-retry-seconds 2
-        s3.down = True
         third = job()
+        s3.close()
         worker._run(state, state.store.claim())
         failed = client.get(f"/v1/videos/{third}").json()
         assert failed["status"] == "failed" and failed["error"]["code"] == "storage_unavailable", failed
         assert "submit the job again" in failed["error"]["message"]
         assert client.get("/health").status_code == 200 and client.get("/v1/videos").status_code == 200
-        s3.down = False
-        assert not [k for k in storage.fs.ls("videos/faults/videos") if third in k]
+        s3.reopen()
+        assert not [k for k in storage.fs.ls("videos/faults/videos", refresh=True) if third in k]
         assert _metric(client, 'wan_aot_storage_errors_total{kind="unavailable"}') == 3.0  # two reads, one job
         state.store.close()
     finally:
