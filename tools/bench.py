@@ -32,6 +32,7 @@ from benchmarks import (  # noqa: E402
     e2e,
     eager,
     export_time,
+    faults,
     fewsteps,
     fit,
     forcing,
@@ -71,6 +72,8 @@ MEASURES = {  # name: (module, the question it answers)
     "cancel": (cancel, "the time from a cancel of a running job to the replica's next job, SQLite and PostgreSQL"),
     "fit": (fit, "real architectures compiled for TPU slices by XLA's TPU compiler: does each fit its HBM?"),
     "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
+    "faults": (faults, "jobs completed and lost out of N while the queue's PostgreSQL restarts, a disk fills, the "
+                       "S3 store goes away; the time from the fault's end to the next completed job"),
     "stream": (stream, "time to the first playable segment of a live stream against the whole video (diffusion "
                        "forcing, Wan-Animate)"),
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,9 @@ from .state import State
 from .storage import StorageUnavailable
 
 log = logging.getLogger("runtime")
+# A running job's progress and stage writes that fail are skipped, not the job's failure: the database away, or
+# SQLite's disk full (the job's end is what must be recorded, and is retried: _patiently, the lease).
+_SKIPPED = (DatabaseUnavailable, sqlite3.OperationalError)
 
 
 class Cancelled(Exception):
@@ -163,14 +167,19 @@ def media_of(params: dict[str, Any], files: list[bytes]) -> dict[str, Any]:
 def worker(state: State) -> None:
     """Run queued jobs one at a time until draining; every failure is recorded on its job."""
     store = state.store
+    failing = False  # claims fail (a full disk under SQLite, say): said once, and once when they work again
     while not state.draining.is_set():
         try:  # with adapters offered, preferring a job of the set the weights hold (jobs.py, loras.py)
             job = store.claim(state.lora_key if state.settings.loras else None, state.settings.lora_affinity_max)
+            if failing:
+                log.warning("claims work again")
+            failing = False
         except DatabaseUnavailable:  # said once by the database layer, and again when it is back
             job = None
         except Exception as e:  # noqa: BLE001  (the database is away for a moment: try again, stay up)
-            log.warning("cannot claim a job: %s: %s", type(e).__name__, e)
-            job = None
+            if not failing:
+                log.warning("cannot claim a job: %s: %s; trying again every second", type(e).__name__, e)
+            failing, job = True, None
         if job is None:
             state.idle.set()
             if state.broadcast is not None:
@@ -238,7 +247,7 @@ def _run(state: State, job: Job) -> None:
                     store.set_progress(job, p)
                 except Lost:
                     refused()
-                except DatabaseUnavailable:  # the next step's progress says it
+                except _SKIPPED:  # the next step's progress says it
                     pass
 
         def stage(name: str) -> None:
@@ -247,7 +256,7 @@ def _run(state: State, job: Job) -> None:
                 try:
                     if not store.heartbeat(job):
                         refused()
-                except DatabaseUnavailable:
+                except _SKIPPED:
                     pass
 
         def check() -> None:

@@ -316,6 +316,7 @@ def emit(report: Report, argv: list[str], device: str, json_path: Path | None) -
     for t in report.tables:
         print(t.markdown() + "\n", flush=True)
     if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"command": f"python tools/bench.py {shlex.join(argv)}",
                                          "date": time.strftime("%Y-%m-%d"), "machine": machine(device),
                                          "tables": [asdict(t) for t in report.tables], "raw": report.raw},
