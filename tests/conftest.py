@@ -51,11 +51,12 @@ atexit.register(shutil.rmtree, os.environ["WAN_AOT_STAMP_DIR"], True)
 
 # The default run's costliest files first (worker seconds, `pytest --durations=0` summed per file; CONTRIBUTING.md):
 # xdist (--dist loadfile) hands each worker the next file in collection order, so the run ends on short files and
-# both workers finish together instead of one waiting for the other's last long file.
-HEAVY_FIRST = ("test_serve.py", "test_tpu_export.py", "test_savedmodel.py", "test_quantize.py", "test_shapes.py",
-               "test_video_in.py", "test_animate.py", "test_fit.py", "test_skyreels.py", "test_attach.py",
-               "test_bad_input.py", "test_lora.py", "test_api_kinds.py", "test_cuda_export.py", "test_samplers.py",
-               "test_lora_switch.py", "test_replicas.py", "test_kinds.py")
+# both workers finish together instead of one waiting for the other's last long file. test_faults is mostly waiting
+# (outages, leases): early, its idle seconds overlap the other worker's work instead of ending the run.
+HEAVY_FIRST = ("test_serve.py", "test_faults.py", "test_tpu_export.py", "test_savedmodel.py", "test_quantize.py",
+               "test_shapes.py", "test_video_in.py", "test_animate.py", "test_fit.py", "test_skyreels.py",
+               "test_attach.py", "test_bad_input.py", "test_lora.py", "test_api_kinds.py", "test_cuda_export.py",
+               "test_samplers.py", "test_lora_switch.py", "test_replicas.py", "test_kinds.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
