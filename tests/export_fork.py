@@ -17,9 +17,9 @@ _lock = threading.Lock()
 _context = None
 
 
-def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, status: str) -> None:
     """In the forked process: the directory, environment and output files `python -m export` would have, then its
-    main."""
+    main; its exit code also written to `status` (the forkserver's own report of it was once lost: 255)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -34,6 +34,8 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
+    with open(status, "w") as f:
+        f.write(str(0 if code is None else int(code)))
     sys.exit(code)
 
 
@@ -51,15 +53,19 @@ def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subpr
     """`python -m export ARGV` in `cwd` with environment `env`; as subprocess.run(..., capture_output=True) returns
     it. Raises subprocess.TimeoutExpired (the process killed) after `timeout` seconds."""
     with tempfile.TemporaryDirectory(prefix="wan-aot-export-") as logs:
-        out, err = os.path.join(logs, "out"), os.path.join(logs, "err")
+        out, err, status = (os.path.join(logs, name) for name in ("out", "err", "status"))
         for path in (out, err):
             open(path, "w").close()
-        proc = context().Process(target=_child, args=(argv, env, cwd, out, err))
+        proc = context().Process(target=_child, args=(argv, env, cwd, out, err, status))
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
             proc.kill()
             proc.join()
             raise subprocess.TimeoutExpired(["python", "-m", "export", *argv], timeout)
+        code = proc.exitcode
+        if os.path.exists(status):  # main returned: its code (a crash or a kill leaves none: the process's)
+            with open(status) as f:
+                code = int(f.read())
         with open(out) as o, open(err) as e:
-            return subprocess.CompletedProcess(["python", "-m", "export", *argv], proc.exitcode, o.read(), e.read())
+            return subprocess.CompletedProcess(["python", "-m", "export", *argv], code, o.read(), e.read())
