@@ -190,7 +190,7 @@ def test_a_database_restart_loses_no_job(fp32_bundles, tmp_path: Path) -> None:
             r.wait_ready()
         client = replicas[0].client(key="unused")
         videos = [client.videos.create(prompt=f"job {i}", extra_body={"num_inference_steps": n, "seed": i})
-                  for i, n in enumerate((120, 120, 3, 3))]
+                  for i, n in enumerate((400, 400, 3, 3))]  # the first two overlap: one on each replica
 
         def running() -> set[str]:
             import psycopg
