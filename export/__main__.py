@@ -8,6 +8,8 @@ r"""`python -m export`: build a bundle from a diffusers-format Wan checkpoint.
     python -m export --model tiny --resolution 64x64 --frames 9 --quantize int8 --out artifacts/tiny-int8
     python -m export --attach-weights artifacts/14b-int8 --weights Wan-AI/Wan2.1-T2V-14B-Diffusers \
         --dit-weights wan2.1_t2v_14b_int8_lightx2v.safetensors     # a pre-quantized DiT (lightx2v's layout)
+    python -m export --attach-weights artifacts/ti2v --weights Wan-AI/Wan2.2-TI2V-5B-Diffusers \
+        --dit-weights outputs/checkpoint                            # a TorchTitan run's DCP folder (its last step)
     python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
     python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel    # TF Serving (extra: savedmodel)
     python -m export --lora my_lora.safetensors --bundle artifacts/tiny --out artifacts/my_lora.safetensors
@@ -62,10 +64,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dit-weights", action="append", type=Path, metavar="FILE",
                    help="with --attach-weights: the DiT's weights from this file instead of --weights' DiT, in the "
                         "original Wan layout (`blocks.N.self_attn.q.weight`, as lightx2v and ComfyUI ship full and "
-                        "step-distilled DiTs; a .safetensors file or a directory of them): bf16/fp32, cast to the "
-                        "bundle's dtype, or pre-quantized (int8 / float8_e4m3fn with a per-row weight_scale) for a "
-                        "bundle of that --quantize mode, used as is; give it once per expert, the high-noise one "
-                        "first")
+                        "step-distilled DiTs; a .safetensors file or a directory of them), or a training run's "
+                        "torch.distributed.checkpoint folder (TorchTitan's step-N/, or its parent: the highest step; "
+                        "the model's keys only): bf16/fp32, cast to the bundle's dtype, or pre-quantized (int8 / "
+                        "float8_e4m3fn with a per-row weight_scale) for a bundle of that --quantize mode, used as is; "
+                        "give it once per expert, the high-noise one first")
     p.add_argument("--vae", type=Path, metavar="FILE",
                    help="replace the checkpoint's VAE (encoder and decoder) by a Wan 2.1 VAE in the original Wan "
                         "layout (`encoder.downsamples.N.residual.2.weight`, `decoder.upsamples.N...`; a .safetensors "
