@@ -34,7 +34,9 @@ def _dcp(original: dict, out: Path, scale: float = 1.0) -> Path:
              "optimizer": {"state": {k: {"exp_avg": torch.ones_like(v), "step": torch.tensor(10.0)}
                                      for k, v in original.items()}, "param_groups": [{"lr": 1e-4}]},
              "lr_scheduler": {"last_epoch": 10}, "train_state": {"step": 10}}
-    dcp.save(state, checkpoint_id=str(out))
+    # two writer threads: with one, DCP's writer takes torchax (imported by other tests in this process) for an
+    # accelerator and asks it for CUDA streams
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), thread_count=2))
     return out
 
 
