@@ -220,17 +220,17 @@ class JobStore:
         its own)."""
         if not self._fenced(job, f"status = 'completed', progress = 100, completed_at = {self.db.now_int}, video = ?",
                             (video,), event="completed"):
-            self._discard(video, *also)
+            self.discard(video, *also)
             raise Lost(job.id)
         self._drop_images(job)
-        self._discard(self.preview_key(job))
+        self.discard(self.preview_key(job))
 
     def fail(self, job: Job, code: str, message: str) -> None:
         if not self._fenced(job, f"status = 'failed', completed_at = {self.db.now_int}, error_code = ?, "
                                  "error_message = ?", (code, message), event="failed"):
             raise Lost(job.id)
         self._drop_images(job)
-        self._discard(self.preview_key(job))
+        self.discard(self.preview_key(job))
 
     def cancel(self, job_id: str, tenant: str | None = None) -> Job | None:
         """Cancel a queued or running job, keeping it: failed, with code `cancelled` (one write: it is never claimed
@@ -250,7 +250,7 @@ class JobStore:
         if not n:
             raise NotCancellable(job.status)
         self._drop_images(job)
-        self._discard(self.preview_key(job))
+        self.discard(self.preview_key(job))
         return job
 
     def cancelled(self, job: Job) -> bool:
@@ -291,9 +291,9 @@ class JobStore:
         if n == 0:
             return None
         if job.video:
-            self._discard(job.video, *derived_keys(job.video))
+            self.discard(job.video, *derived_keys(job.video))
         self._drop_images(job)
-        self._discard(self.preview_key(job))
+        self.discard(self.preview_key(job))
         self._drop_streams(job)
         return job
 
@@ -359,7 +359,7 @@ class JobStore:
                 playlist = hls.Playlist.parse(self.storage.read(key).decode())
             except (OSError, ValueError, StorageUnavailable):
                 continue
-            self._discard(*(self.stream_key(job, hls.segment_name(n), attempt)
+            self.discard(*(self.stream_key(job, hls.segment_name(n), attempt)
                             for n in range(len(playlist.durations))), key)
 
     def preview_key(self, job: Job) -> str:
@@ -398,9 +398,9 @@ class JobStore:
             self.events.job_ended(tx, tenant, job_id, f"video.{status}")
 
     def _drop_images(self, job: Job | None) -> None:
-        self._discard(*(job.images if job else []))
+        self.discard(*(job.images if job else []))
 
-    def _discard(self, *keys: str) -> None:
+    def discard(self, *keys: str) -> None:
         """Remove files the job's record no longer refers to (recorded first): a storage failing now leaves them
         behind, never served, with a line in the log, rather than failing what was recorded."""
         for key in keys:

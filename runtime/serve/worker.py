@@ -299,7 +299,7 @@ def _run(state: State, job: Job) -> None:
                 log.error("job %s: failed: the video storage is full: %s", job.id, e)
                 if m:
                     m.storage_errors.labels("full").inc()
-                _drop(store, key)
+                store.discard(key, *derived_keys(key))
             elif isinstance(e, StorageUnavailable):  # the object store failed past --store-retry-seconds
                 failure = ("storage_unavailable", f"the video could not be stored: {e}; submit the job again once "
                                                   "the store is back")
@@ -315,10 +315,7 @@ def _run(state: State, job: Job) -> None:
     _end(stream)  # however it ended: a failed or cancelled job's stream ends where it stopped
     if cancelled:
         outcome = "cancelled"
-        try:
-            store.storage.delete(store.preview_key(job))
-        except Exception as e:  # noqa: BLE001  (the storage is away: a preview nothing serves any more)
-            log.warning("job %s: cannot remove its preview: %s", job.id, e)
+        store.discard(store.preview_key(job))
         log.info("job %s: cancelled by a client; stopped after %d denoising steps, nothing stored", job.id, steps[0])
     elif failure is not None:
         outcome = _fail(state, job, *failure)
@@ -335,7 +332,7 @@ def _run(state: State, job: Job) -> None:
                 outcome = "lost"
                 log.warning("job %s: taken over by another replica while this one ran it; its result is dropped",
                             job.id)
-                _drop(store, key)  # this attempt's video (the new owner's has its own name)
+                store.discard(key, *derived_keys(key))  # this attempt's (the new owner's has its own names)
     state.wake_webhooks()  # its end's deliveries are due
     took = time.perf_counter() - t0
     state.job_seconds[:] = [*state.job_seconds[-9:], took]
@@ -356,15 +353,6 @@ def _end(stream: hls.HlsWriter | None) -> None:
         stream.end()
     except Exception as e:  # noqa: BLE001  (the storage is away: the route ends a finished job's playlist itself)
         log.warning("cannot end the live stream's playlist: %s: %s", type(e).__name__, e)
-
-
-def _drop(store: JobStore, key: str) -> None:
-    """A failed job's video and its derived files, where some were stored: not the job's."""
-    for k in (key, *derived_keys(key)):
-        try:
-            store.storage.delete(k)
-        except Exception:  # noqa: BLE001  (the storage is away: nothing refers to them)
-            pass
 
 
 def _patiently(state: State, fn: Callable[[], Any]) -> Any:
