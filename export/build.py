@@ -33,6 +33,7 @@ from runtime.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
     BlockLoop,
+    Chunks,
     Defaults,
     FileRef,
     Geometry,
@@ -276,6 +277,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
     run_defaults = defaults_for(kind, sched_cfg, Defaults(steps=kind.steps, guidance=kind.guidance, flow_shift=shift,
                                                           fps=kind.fps, sampler=sampler), s.defaults)
     order = sched_cfg.solver_order
+    chunks = chunks_for(src.scheduler_config, src.transformer_config) if kind.helios else None
     adapters = lora.read_merges(list(s.loras), expert_shapes(src)) if s.loras else []
     attention = attention_for(s.target, s.attention)
     mesh = abstract_mesh(s.target)
@@ -373,8 +375,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
                     block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
                     for g in shapes:  # the model loaded once; each shape costs its own tracing only
                         export_denoise(src, ex, block, kind, g, s.target, order, model_dtype,
-                                       conditioning_inputs(kind, g, ex.module), add_program, write_program, programs,
-                                       shape_suffix("video", g, geo))
+                                       conditioning_inputs(kind, g, ex.module, chunks), add_program, write_program,
+                                       programs, shape_suffix("video", g, geo), chunks)
                 else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
@@ -427,6 +429,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
             quantize=s.quantize,
             video_to_video=src.video_to_video,
             tiny_decoder=tiny,
+            chunks=chunks,
         ).with_id()
         (tmp / MANIFEST_FILE).write_text(canonical_json(manifest.to_json()))
         if check is not None:
@@ -489,9 +492,22 @@ def defaults_for(kind: Kind, config: sched.UniPCConfig, base: Defaults, given: d
     return d
 
 
-def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[str, TensorSpec]:
+def chunks_for(scheduler_config: dict[str, Any], transformer_config: dict[str, Any]) -> Chunks:
+    """A Helios bundle's chunk settings: HeliosPipeline's history sizes, and its HeliosScheduler's shift settings
+    (calculate_shift's line as the pipeline reads it from the scheduler config, diffusers' defaults where absent)."""
+    cfg, d = scheduler_config, Chunks()
+    return Chunks(history_sizes=d.history_sizes, patch_size=tuple(int(p) for p in transformer_config["patch_size"]),
+                  use_dynamic_shifting=bool(cfg.get("use_dynamic_shifting", False)),
+                  time_shift_type=str(cfg.get("time_shift_type", d.time_shift_type)),
+                  shift=float(cfg.get("shift") if cfg.get("shift") is not None else 1.0),
+                  **{k: type(getattr(d, k))(cfg.get(k, getattr(d, k)))
+                     for k in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")})
+
+
+def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None, chunks: Chunks | None = None
+                        ) -> dict[str, TensorSpec]:
     """The denoise programs' conditioning inputs (kind.conditioning_inputs) and their shapes (`module`: the DiT, for
-    a VACE model's control channels and layers)."""
+    a VACE model's control channels and layers; `chunks`: a Helios bundle's, for its history's frames)."""
     b, z, t, h, w = geo.latent_shape
     mask = geo.temporal_scale if kind.channel_condition == "mask+latents" else 0
     shapes = {
@@ -505,6 +521,8 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None) -> dict[s
         shapes["control_scale"] = (len(module.config.vace_layers),)
     if kind.forcing:  # re-noise for pinned frames and its share per frame, the frames that step, causal blocks, fps
         shapes.update(noise=(b, z, t, h, w), blend=(t,), update=(t,), causal_block=(), fps=())
+    if kind.helios:  # the clean history: the first frame, then the long, mid and short history's frames
+        shapes["history"] = (b, z, 1 + sum((chunks or Chunks()).history_sizes), h, w)
     if kind.animate:  # the pose latents of the video's frames; the face_motion program's vectors, for cond and uncond
         cfg = module.config
         shapes["pose"] = (b, z, geo.latent_frames, h, w)
@@ -538,7 +556,7 @@ def export_face_motion(ex: Extracted, shapes: list[Geometry], default: Geometry,
 
 def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo: Geometry, target: Target,
                    order: int, model_dtype: Any, extras: dict[str, TensorSpec], add_program: Any, write_program: Any,
-                   programs: dict[str, ProgramSpec], suffix: str = "") -> None:
+                   programs: dict[str, ProgramSpec], suffix: str = "", chunks: Chunks | None = None) -> None:
     """The first expert's denoise programs for shape `geo`, one per variant (kinds.DENOISE_VARIANTS), named with
     `suffix` (manifest.shape_suffix), each traced with the DiT layout of its batch (export/sharding.py): 2B for the
     CFG ones, B for the cond-only one. Those that run the blocks take the cross_kv program's keys and values
@@ -583,7 +601,8 @@ def export_denoise(src: Source, ex: Extracted, block: Extracted, kind: Kind, geo
             out_partition.append(layout.hidden)
         with sharding.use_layout(layout):
             # What runs no block takes no kv: the whole step is traced with zeros there, which nothing reads.
-            step = denoise.build(ex, order, model_dtype, kind, L, patch, v)
+            step = denoise.build(ex, order, model_dtype, kind, L, patch, v,
+                                 (chunks or Chunks()).history_sizes)
             no_kv = denoise.without(step, list(inputs), {k: inputs[k] for k in shared})
             without_kv = {k: t for k, t in inputs.items() if k not in shared}
             if v.residual == "in":

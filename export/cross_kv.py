@@ -192,9 +192,10 @@ def precomputed(module: Any, env: Any, kv: jax.Array, text_tokens: int) -> Itera
         return env.j2t_iso(jnp.zeros((n, tokens, 0), kv.dtype))
 
     _returns(emb.text_embedder, placeholder(text_tokens), patched)
-    if emb.image_embedder is not None:
-        _returns(emb.image_embedder, placeholder(s - text_tokens), patched)
-    n_img = image_tokens(s) if emb.image_embedder is not None else 0
+    image_embedder = getattr(emb, "image_embedder", None)  # (Helios' condition embedder has none)
+    if image_embedder is not None:
+        _returns(image_embedder, placeholder(s - text_tokens), patched)
+    n_img = image_tokens(s) if image_embedder is not None else 0
     try:
         with contextlib.ExitStack() as stack:
             for i, block in enumerate(attention_blocks(module)):

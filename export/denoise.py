@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from runtime.kinds import DENOISE_VARIANTS, DenoiseVariant, Kind
 
@@ -32,7 +33,8 @@ from .trace import Extracted
 
 
 def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, patch: tuple[int, int] = (2, 2),
-          variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+          variant: DenoiseVariant = DENOISE_VARIANTS["cfg"], history_sizes: tuple[int, ...] = (16, 2, 1)
+          ) -> Callable[..., tuple[jax.Array, ...]]:
     """fn(weights, state, kv, timestep, guidance, row, *extras[, residual]) -> (new state, all-finite
     flag[, residual]).
 
@@ -54,10 +56,12 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
     residual (2B, S, dim) in the model dtype: the transformer blocks' output minus input, returned by a
     "residual" variant and taken (instead of running the blocks) by a "cached" one (export/block_cache.py).
 
-    "forcing" (SkyReels-V2 diffusion forcing) is `build_forcing`'s step.
+    "forcing" (SkyReels-V2 diffusion forcing) is `build_forcing`'s step, "helios" `build_helios`'s.
     """
     if kind.forcing:
         return build_forcing(ex, order, dtype, text_tokens, patch, variant)
+    if kind.helios:
+        return build_helios(ex, order, dtype, text_tokens, history_sizes, variant)
     copies = 2 if variant.cfg else 1
 
     def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array,
@@ -189,6 +193,61 @@ def build_forcing(ex: Extracted, order: int, dtype: Any, text_tokens: int, patch
             v = out.astype(jnp.float32)
         stepped = sampler_update(state, v, row, order)
         new_state = jnp.where(update[None, None, None, :, None, None] > 0, stepped, state)
+        return new_state, jnp.all(jnp.isfinite(new_state[0]))
+
+    return step
+
+
+def helios_indices(history_sizes: tuple[int, ...], frames: int) -> dict[str, jax.Array]:
+    """HeliosPipeline's frame indices (keep_first_frame): positions 0 (the first frame, the short history's prefix),
+    then the long, mid and short history's frames, then the chunk's; the same for every chunk."""
+    sizes = [1, *history_sizes, frames]
+    ends = np.cumsum(sizes)
+    idx = [np.arange(e - n, e) for n, e in zip(sizes, ends)]
+    prefix, long, mid, one, hidden = idx
+    as_batch = lambda a: jnp.asarray(a, jnp.int32)[None]  # noqa: E731 (B = 1: the same for every sample)
+    return {"indices_hidden_states": as_batch(hidden), "indices_latents_history_short": as_batch(np.r_[prefix, one]),
+            "indices_latents_history_mid": as_batch(mid), "indices_latents_history_long": as_batch(long)}
+
+
+def build_helios(ex: Extracted, order: int, dtype: Any, text_tokens: int, history_sizes: tuple[int, ...],
+                 variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, state, kv, timestep, guidance, row, history) -> (new state, all-finite flag): one step of a Helios
+    chunk (diffusers' HeliosPipeline's loop body, its two CFG calls as one batch).
+
+    state, kv, timestep, guidance, row as `build`'s (T: the chunk's latent frames); history float32 (B, z, 1 + sum
+    (history_sizes), H, W): the clean latents the chunk sees, [prefix (the first frame, or zeros), long, mid, short]
+    (runtime/helios.py builds it), cast to the model dtype and split as diffusers splits them; its frame positions
+    are fixed (helios_indices), so they are constants of the program."""
+    copies = 2 if variant.cfg else 1
+    n_long, n_mid, _ = history_sizes
+
+    def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array, guidance: jax.Array,
+             row: jax.Array, history: jax.Array) -> tuple[jax.Array, ...]:
+        x = state[0]
+        b, frames = x.shape[0], x.shape[2]
+        hist = history.astype(dtype)
+        long, mid = hist[:, :, 1:1 + n_long], hist[:, :, 1 + n_long:1 + n_long + n_mid]
+        short = jnp.concatenate([hist[:, :, :1], hist[:, :, 1 + n_long + n_mid:]], axis=2)
+        n = copies * b
+
+        def both(a: jax.Array) -> jax.Array:
+            return jnp.concatenate([a] * copies)
+
+        kwargs: dict[str, Any] = {"return_dict": False, **helios_indices(tuple(history_sizes), frames),
+                                  "latents_history_short": both(short), "latents_history_mid": both(mid),
+                                  "latents_history_long": both(long)}
+        t = jnp.full((n,), timestep, jnp.float32)
+        args = (both(x).astype(dtype), t, jnp.zeros((n, text_tokens, 0), dtype))
+        with cross_kv.precomputed(ex.module, ex.env, kv[:, :, :n], text_tokens):
+            out = ex.fn(weights, args, kwargs)[0]
+        if variant.cfg:  # as diffusers: noise_uncond + g * (noise_pred - noise_uncond), when g > 1
+            cond, uncond = out[:b], out[b:]
+            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
+        else:
+            v = out.astype(jnp.float32)
+        new_state = sampler_update(state, v, row, order)
         return new_state, jnp.all(jnp.isfinite(new_state[0]))
 
     return step

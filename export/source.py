@@ -132,6 +132,8 @@ def transformer_class(kind: Kind) -> Any:
 
     if kind.dit == "skyreels":
         return diffusers.SkyReelsV2Transformer3DModel
+    if kind.dit == "helios":
+        return diffusers.HeliosTransformer3DModel
     if kind.animate:
         return diffusers.WanAnimateTransformer3DModel
     return diffusers.WanVACETransformer3DModel if kind.vace else diffusers.WanTransformer3DModel
@@ -222,6 +224,7 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
         src = Source(kind="architecture", id=model, revision=None, location=None, dtype=dtype,
                      transformer_config=_full_config({"WanVACEPipeline": "vace_transformer",
                                                       "WanAnimatePipeline": "animate_transformer",
+                                                      "HeliosPipeline": "helios_transformer",
                                                       **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
@@ -322,6 +325,8 @@ SKYREELS_PIPELINES = {"SkyReelsV2Pipeline": "skyreels-t2v", "SkyReelsV2ImageToVi
                       "SkyReelsV2DiffusionForcingImageToVideoPipeline": "skyreels-df",
                       "SkyReelsV2DiffusionForcingVideoToVideoPipeline": "skyreels-df"}
 PIPELINES.update({name: "skyreels" for name in SKYREELS_PIPELINES})
+# Helios (runtime/kinds.py's helios row; runtime/helios.py): text, image or video in, chunks of any count.
+PIPELINES["HeliosPipeline"] = "helios"
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
@@ -329,6 +334,11 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
     """The runtime/kinds.py row of a diffusers Wan pipeline, from its model_index.json and configs."""
     if pipeline in SKYREELS_PIPELINES:
         return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
+    if PIPELINES[pipeline] == "helios":
+        if two_experts or image_encoder:
+            raise UserError(f"{where}: Helios with two experts or an image encoder is not a configuration wan-aot knows "
+                            "(BestWishYsh/Helios-Base has one transformer and no image encoder)")
+        return "helios"
     if PIPELINES[pipeline] == "lucy":  # Lucy Edit: TI2V-5B's DiT (expand_timesteps) on [noise, source video latents]
         if two_experts or image_encoder:
             raise UserError(f"{where}: Lucy Edit with two experts or an image encoder is not a configuration wan-aot "
@@ -402,6 +412,7 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
     """The complete diffusers config (defaults filled in) of a component built from `args`."""
     from diffusers import (
         AutoencoderKLWan,
+        HeliosTransformer3DModel,
         SkyReelsV2Transformer3DModel,
         WanAnimateTransformer3DModel,
         WanTransformer3DModel,
@@ -410,7 +421,7 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
 
     cls = {"transformer": WanTransformer3DModel, "vace_transformer": WanVACETransformer3DModel,
            "animate_transformer": WanAnimateTransformer3DModel, "skyreels_transformer": SkyReelsV2Transformer3DModel,
-           "vae": AutoencoderKLWan}[component]
+           "helios_transformer": HeliosTransformer3DModel, "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     return {**defaults, **args, "_class_name": cls.__name__}

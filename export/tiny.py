@@ -46,7 +46,7 @@ _VAE22_48 = {**_VAE22, "z_dim": 48, "latents_mean": [round(0.05 * ((7 * i) % 11 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
 # Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "lucy" | "skyreels-t2v" | "skyreels-i2v" |
-# "skyreels-df"), experts (2: transformer_2 with boundary_ratio), expand_timesteps, image_encoder (a
+# "skyreels-df" | "helios"; helios with its HeliosScheduler's `scheduler` settings), experts (2: transformer_2 with boundary_ratio), expand_timesteps, image_encoder (a
 # CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -121,6 +121,15 @@ VARIANTS.update({
 })
 SKYREELS_PIPELINES = ("skyreels-t2v", "skyreels-i2v", "skyreels-df")
 
+# Helios (BestWishYsh/Helios-Base) in miniature: HeliosTransformer3DModel with its history patch embeddings and history
+# key scale, RoPE over 4 + 4 + 4 of the 12 head channels; the HeliosScheduler as HeliosPipeline runs it.
+VARIANTS["tiny-helios"] = dict(
+    transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                     out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, rope_dim=(4, 4, 4),
+                     is_amplify_history=True),
+    vae=_VAE, text_encoder=_UMT5, pipeline="helios",
+    scheduler=dict(stages=1, use_dynamic_shifting=True, shift=1.0, scheduler_type="unipc"))
+
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
 
 _WORDS = (
@@ -188,13 +197,15 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )).eval()
     pipeline = spec.get("pipeline", "t2v")
-    dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel,
+    from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+
+    dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,
            **dict.fromkeys(SKYREELS_PIPELINES, SkyReelsV2Transformer3DModel)}.get(pipeline, WanTransformer3DModel)
     torch.manual_seed(1)
     transformer = dit(**spec["transformer"]).eval()
     torch.manual_seed(2)
     vae = AutoencoderKLWan(**spec["vae"]).eval()
-    scheduler = UniPCMultistepScheduler(
+    scheduler = HeliosScheduler(**spec["scheduler"]) if pipeline == "helios" else UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=spec["flow_shift"], solver_order=2, solver_type="bh2", lower_order_final=True,
         final_sigmas_type="zero",
@@ -214,6 +225,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
                         block.proj_out.weight.mul_(VACE_GAIN)
     if spec.get("expand_timesteps"):
         parts["expand_timesteps"] = True
+    if pipeline == "helios":
+        return HeliosPipeline(**parts)
     if pipeline == "lucy":
         from diffusers import LucyEditPipeline
 

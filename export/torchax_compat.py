@@ -70,5 +70,20 @@ def load_torchax() -> Any:
                 import torchax
 
                 torchax.default_env()
+            _type_as_takes_views(torchax)
             _loaded = torchax
     return _loaded
+
+
+def _type_as_takes_views(torchax: Any) -> None:
+    """torchax 0.0.13's `Tensor.type_as(other)` reads `other._elem`, which a view (a slice, torchax.view.View) does not
+    have: HeliosOutputNorm's `(...).type_as(hidden_states[:, -n:])` fails. Take the dtype from the view's array then;
+    otherwise the same (torchax's own in-place cast)."""
+    from torchax.tensor import Tensor
+
+    def type_as(self: Any, other: Any) -> Any:
+        dtype = other._elem.dtype if hasattr(other, "_elem") else other.jax().dtype
+        self._elem = self._elem.astype(dtype)
+        return self
+
+    Tensor.type_as = type_as

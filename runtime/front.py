@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import adapters, animate, forcing
+from . import adapters, animate, forcing, helios
 from . import manifest as mf
 from . import pipeline as engine
 from .bundle import open_bundle
@@ -27,12 +27,16 @@ LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = {
                                         "prev_segment_frames")),
     "forcing": ("diffusion forcing models (SkyReels-V2 DF)", ("num_frames", "overlap_history", "ar_step",
                                                               "causal_block_size", "addnoise_condition", "fps")),
+    "helios": ("Helios models", ("num_frames", "add_noise_to_image_latents", "image_noise_sigma_min",
+                                 "image_noise_sigma_max", "add_noise_to_video_latents", "video_noise_sigma_min",
+                                 "video_noise_sigma_max", "is_skip_first_chunk", "fps")),
 }
 
 # The engine's keywords a loop does not take: given, they are refused in one line; None, dropped.
 NOT_TAKEN: dict[str, tuple[str, ...]] = {
     "animate": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
     "forcing": ("mask", "reference_images", "conditioning_scale", "strength", "noise"),
+    "helios": ("last_image", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
 }
 
 
@@ -47,7 +51,10 @@ class Pipeline(engine.Pipeline):
         - Wan-Animate (runtime/animate.py `generate`): `image`, `pose_video`, `face_video`, `mode`, ...;
         - diffusion forcing (runtime/forcing.py `generate`): `num_frames` of any length, `overlap_history`,
           `ar_step`, `causal_block_size`, `addnoise_condition`, `image`, `last_image`, `video`, `latents` (one initial
-          noise per segment), `fps`.
+          noise per segment), `fps`;
+        - Helios (runtime/helios.py `generate`): `num_frames` of any length (whole chunks), `image`, `video`,
+          `latents` (one initial noise per chunk), add_noise_to_image_latents, image_noise_sigma_min/max,
+          add_noise_to_video_latents, video_noise_sigma_min/max, is_skip_first_chunk.
 
         The shared keywords (seed, steps, guidance, flow_shift, sampler, sigmas, size, frames, progress, low_memory,
         on_step, on_frames, ...) mean the same everywhere; `loras` (the LoRA set, engine.Pipeline.use_loras) is
@@ -59,8 +66,9 @@ class Pipeline(engine.Pipeline):
         stream = kwargs.pop("stream", None)
         if stream is not None:
             return self._streamed(stream, prompt, negative_prompt, *args, loras=loras, **kwargs)
+        own = LOOP_KEYWORDS.get(loop, ("", ()))[1]
         for other, (what, names) in LOOP_KEYWORDS.items():
-            given = [n for n in names if kwargs.get(n) is not None]
+            given = [n for n in names if kwargs.get(n) is not None and n not in own]
             if other != loop and given:
                 raise UserError(f"this bundle is {self.kind.title}: {given[0]} is for {what}")
         for name in NOT_TAKEN.get(loop, ()):
@@ -94,6 +102,7 @@ LOOPS: dict[str, Callable[..., np.ndarray]] = {
     "segment": engine.Pipeline.generate,
     "animate": animate.generate,
     "forcing": forcing.generate,
+    "helios": helios.generate,
 }
 
 

@@ -25,6 +25,11 @@ SkyReels-V2 (Skywork; SkyReelsV2Transformer3DModel: Wan 2.1's DiT, its timestep 
     skyreels-df     SkyReelsV2DiffusionForcing{,ImageToVideo,       SkyReels-V2-DF-1.3B-540P / -14B-540P / -720P
                     VideoToVideo}Pipeline: one bundle, any length   (segments: runtime/forcing.py)
 
+Helios (HeliosTransformer3DModel: Wan's blocks, with the clean history patchified at three scales):
+
+    helios          HeliosPipeline (text, image or video in;        BestWishYsh/Helios-Base
+                    chunks of any count: runtime/helios.py)
+
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
 
@@ -51,6 +56,10 @@ Conditioning modes (how the image enters the denoising loop):
   mode); `fps` is the frame rate the DiT is told. The segment loop around it is runtime/forcing.py.
 - "video_concat": the DiT input is [latents (z), VAE latents of the source video (z)] on the channel axis at every
   step (Lucy Edit): no mask, every token at the step's timestep; the video's frame count is the shape's.
+- "helios": a chunk of Helios: the DiT sees the chunk's noisy latents and `history`, the clean latents before it
+  ([prefix, long, mid, short] frames: the first frame kept, then history_sizes' 16, 2 and 1 latest, zeros where the
+  video has none yet), which it patchifies at three scales and attends to at timestep 0; the frame positions are
+  fixed, so every chunk runs the same program. The chunk loop around it is runtime/helios.py.
 """
 
 from __future__ import annotations
@@ -81,13 +90,14 @@ class Kind:
     guidance: float = 5.0
     video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "required" |
     #                      "extend": a video to continue (diffusion forcing)
-    dit: str = "wan"  # "wan" | "skyreels": the DiT's diffusers class family (export/source.py transformer_class)
+    dit: str = "wan"  # "wan" | "skyreels" | "helios": the DiT's diffusers class family (export/source.py
+    #                   transformer_class)
 
     @property
     def vae_encode(self) -> str:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
         return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
-                "animate": "video", "video_concat": "video", "forcing": "video"}[self.conditioning]
+                "animate": "video", "video_concat": "video", "forcing": "video", "helios": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -110,7 +120,7 @@ class Kind:
         """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
-                "video_concat": ("condition",), "forcing": FORCING_INPUTS}[self.conditioning]
+                "video_concat": ("condition",), "forcing": FORCING_INPUTS, "helios": ("history",)}[self.conditioning]
 
     @property
     def channel_condition(self) -> str:
@@ -133,6 +143,12 @@ class Kind:
         return self.conditioning == "forcing"
 
     @property
+    def helios(self) -> bool:
+        """Helios: a video of any length in chunks, each conditioned on the clean latents before it at three scales
+        (runtime/helios.py)."""
+        return self.conditioning == "helios"
+
+    @property
     def takes_last_image(self) -> bool:
         """Takes a last image: FLF2V kinds need one; diffusion forcing pins one as the video's last latent frame."""
         return self.last_image or self.forcing
@@ -140,20 +156,21 @@ class Kind:
     @property
     def loop(self) -> str:
         """The loop `generate` runs (runtime/front.py): "segment" (one bundle shape, runtime/pipeline.py), "animate"
-        (runtime/animate.py) or "forcing" (runtime/forcing.py)."""
-        return "animate" if self.animate else "forcing" if self.forcing else "segment"
+        (runtime/animate.py), "forcing" (runtime/forcing.py) or "helios" (runtime/helios.py)."""
+        return "animate" if self.animate else "forcing" if self.forcing else "helios" if self.helios else "segment"
 
     @property
     def variants(self) -> tuple[str, ...]:
         """The denoise variants (DENOISE_VARIANTS) a bundle of this kind holds: all, but diffusion forcing's steps have
         no MagCache ones (its per-frame timesteps give MagCache's per-step schedule nothing to go by)."""
-        return ("cfg", "cond") if self.forcing else tuple(DENOISE_VARIANTS)
+        return ("cfg", "cond") if self.forcing or self.helios else tuple(DENOISE_VARIANTS)
 
     @property
     def block_loop(self) -> bool:
         """The DiT's steps run as a block loop (export/denoise_blocks.py). Not Animate's: its face adapters run
-        between the blocks (after every 5th), not in them, so each of its steps is one program."""
-        return not self.animate
+        between the blocks (after every 5th), not in them, so each of its steps is one program; nor Helios' (its
+        history tokens and their timestep-0 modulation are its own), one program per step too."""
+        return not self.animate and not self.helios
 
     @property
     def kv_inputs(self) -> tuple[str, ...]:
@@ -231,6 +248,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("skyreels-df", "SkyReels-V2 diffusion forcing (text, image or video to a video of any length)", experts=1,
          image="optional", last_image=False, image_encoder=False, conditioning="forcing", fps=24, guidance=6.0,
          video="extend", dit="skyreels"),
+    # Helios (PKU-YuanGroup; diffusers' HeliosPipeline): chunks of a video of any length, each conditioned on the clean
+    # latents before it (runtime/helios.py); text, image or video in.
+    Kind("helios", "Helios (text, image or video to a video of any length, in chunks)", experts=1, image="optional",
+         last_image=False, image_encoder=False, conditioning="helios", fps=24, video="extend", dit="helios"),
 )}
 
 

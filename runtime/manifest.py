@@ -320,6 +320,22 @@ class TinyDecoder:
 
 
 @dataclass(frozen=True)
+class Chunks:
+    """How a Helios bundle makes a video in chunks (runtime/helios.py): the clean history each chunk sees, and the
+    schedule its HeliosScheduler computes (the chunk's latent frames are the default shape's)."""
+
+    history_sizes: tuple[int, ...] = (16, 2, 1)  # long, mid, short: latent frames of history at each scale
+    patch_size: tuple[int, ...] = (1, 2, 2)  # the DiT's (t, h, w) patch: a chunk's tokens, for the shift
+    use_dynamic_shifting: bool = True  # sigmas shifted by mu from the chunk's token count
+    time_shift_type: str = "exponential"  # "exponential" | "linear"
+    shift: float = 1.0  # the fixed shift where use_dynamic_shifting is False
+    base_image_seq_len: int = 256  # calculate_shift's line: base_shift at base, max_shift at max tokens
+    max_image_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+
+
+@dataclass(frozen=True)
 class Defaults:
     """What a run uses where it says nothing: from the checkpoint, or set at export (`--defaults`)."""
 
@@ -352,6 +368,7 @@ class Manifest:
     quantize: str | None = None  # the weights' quantization mode (export/quantize.py MODES), None: unquantized
     video_to_video: bool = False  # a text-to-video kind with the VAE encoder programs for a source video
     tiny_decoder: TinyDecoder | None = None  # a second, tiny decoder (export --tiny-decoder); None: the VAE's only
+    chunks: Chunks | None = None  # Helios: its chunks' history and schedule (kinds.Kind.helios); None for the others
     bundle_id: str = ""
 
     @property

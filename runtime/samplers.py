@@ -104,19 +104,24 @@ def _plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: S
         return scheduler.plan(steps, shift, config, sigmas, start)
     if sampler == "euler":
         timesteps, sig = euler_sigmas(steps, shift, config.num_train_timesteps, sigmas)
-        rows = np.zeros((steps, scheduler.row_size(config.solver_order)), np.float64)
-        s = sig.astype(np.float64)
-        for i, row in enumerate(rows):
-            # x_{i+1} = x_i + (s_{i+1} - s_i) v_i = (s_{i+1}/s_i) x_i + (1 - s_{i+1}/s_i) m_i
-            _identity_corrector(row, config.solver_order)
-            ratio = s[i + 1] / s[i]
-            _predictor(row, config.solver_order)[:2] = (ratio, 1.0 - ratio)
-            row[0] = s[i]
+        rows = euler_rows(sig.astype(np.float64), config.solver_order)
     else:
         timesteps, sig = dpm_sigmas(steps, shift, config.num_train_timesteps, sigmas)
         rows = dpm_rows(sig, config.solver_order, start)
     return _frozen(Plan(timesteps=timesteps[start:].astype(np.float32), sigmas=sig[start:],
                         coeffs=rows[start:].astype(np.float32)))
+
+
+def euler_rows(sig: np.ndarray, order: int) -> np.ndarray:
+    """Flow-matching Euler's rows on the sigmas `sig` (N + 1, ending in 0): x_{i+1} = x_i + (s_{i+1} - s_i) v_i =
+    (s_{i+1}/s_i) x_i + (1 - s_{i+1}/s_i) m_i, no corrector."""
+    rows = np.zeros((len(sig) - 1, scheduler.row_size(order)), np.float64)
+    for i, row in enumerate(rows):
+        _identity_corrector(row, order)
+        ratio = sig[i + 1] / sig[i]
+        _predictor(row, order)[:2] = (ratio, 1.0 - ratio)
+        row[0] = sig[i]
+    return rows
 
 
 def euler_sigmas(steps: int, shift: float, num_train_timesteps: int, sigmas: Sigmas) -> tuple[np.ndarray, np.ndarray]:
@@ -236,6 +241,8 @@ def from_checkpoint(cfg: dict) -> tuple[str, UniPCConfig, float]:
     ValueError saying why if its scheduler is not one these rows reproduce. A checkpoint whose scheduler is not
     UniPC gets Wan's UniPC configuration (order 2, so dpm++ fits its state too) for `--sampler unipc`."""
     name = cfg.get("_class_name", "UniPCMultistepScheduler")
+    if name == "HeliosScheduler":
+        return helios_scheduler(cfg)
     sampler = SCHEDULER_CLASSES.get(name)
     if sampler is None:
         raise ValueError(f"scheduler {name} is not supported (only {', '.join(SCHEDULER_CLASSES)})")
@@ -248,3 +255,27 @@ def from_checkpoint(cfg: dict) -> tuple[str, UniPCConfig, float]:
             raise ValueError(f"{name} setting {key}={cfg[key]!r} is not supported (expected one of {allowed})")
     shift = float(cfg.get(shift_key) if cfg.get(shift_key) is not None else 1.0)
     return sampler, UniPCConfig(num_train_timesteps=int(cfg.get("num_train_timesteps", 1000)), flow_shift=shift), shift
+
+
+# HeliosScheduler's settings that the rows here do not model, with the values they must have.
+_HELIOS_FIXED = {"prediction_type": ("flow_prediction",), "use_flow_sigmas": (True,), "predict_x0": (True,),
+                 "thresholding": (False,), "solver_p": (None,), "solver_type": ("bh1", "bh2"),
+                 "scheduler_type": ("unipc", "euler"), "time_shift_type": ("exponential", "linear")}
+
+
+def helios_scheduler(cfg: dict) -> tuple[str, UniPCConfig, float]:
+    """from_checkpoint for diffusers' HeliosScheduler, as HeliosPipeline runs it (its single-stage schedule,
+    runtime/helios.py): UniPC (bh2, order 2) or Euler by its scheduler_type, on sigmas the run computes."""
+    for key, allowed in _HELIOS_FIXED.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"HeliosScheduler setting {key}={cfg[key]!r} is not supported (expected one of {allowed})")
+    order = int(cfg.get("solver_order", 2))
+    if order not in (1, 2, 3):
+        raise ValueError(f"HeliosScheduler solver_order={order} is not supported (1, 2 or 3)")
+    shift = float(cfg.get("shift") if cfg.get("shift") is not None else 1.0)
+    unipc = UniPCConfig(num_train_timesteps=int(cfg.get("num_train_timesteps", 1000)), solver_order=order,
+                        solver_type=str(cfg.get("solver_type", "bh2")),
+                        lower_order_final=bool(cfg.get("lower_order_final", True)),
+                        disable_corrector=tuple(int(i) for i in cfg.get("disable_corrector", ()) or ()),
+                        flow_shift=shift)
+    return str(cfg.get("scheduler_type", "unipc")), unipc, shift

@@ -121,10 +121,6 @@ def sigmas_for(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, 
     return timesteps, np.concatenate([s, [last]]).astype(np.float32)
 
 
-def _lambda(sigma: float) -> float:
-    return float(np.log(1.0 - sigma) - np.log(sigma)) if sigma > 0 else math.inf
-
-
 def _bh_terms(h: float, order: int, solver_type: str, rks: list[float]) -> tuple[float, float, np.ndarray, np.ndarray]:
     """h_phi_1, B_h, R and b of diffusers' UniPC bh update (predict_x0 form).
 
@@ -157,10 +153,20 @@ def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] |
         raise ValueError("steps must be >= 1")
     if not shift > 0:
         raise ValueError("flow shift must be > 0")
-    K = cfg.solver_order
     timesteps, sigmas32 = sigmas_for(steps, shift, cfg, sigmas)
-    sig = sigmas32.astype(np.float64)  # diffusers computes from the float32 sigmas
-    lam = [_lambda(s) for s in sig]
+    # diffusers computes from the float32 sigmas
+    return plan_of(timesteps, sigmas32, sigmas32.astype(np.float64), cfg, start)
+
+
+def plan_of(timesteps: np.ndarray, sigmas: np.ndarray, sig: np.ndarray, cfg: UniPCConfig, start: int = 0,
+            floor: float = 0.0) -> Plan:
+    """The Plan of a given schedule: `timesteps` (N,) as the DiT sees them, `sigmas` (N + 1,) as stored, `sig` the
+    float64 sigmas the coefficients are computed from. `floor`: the sigma below which a scheduler clamps its sigma_t
+    (HeliosScheduler's 1e-8; 0: none, a final 0 gives lambda = inf, as torch)."""
+    steps = len(timesteps)
+    K = cfg.solver_order
+    st = np.maximum(sig, floor) if floor else sig  # sigma_t as the scheduler takes it (alpha_t = 1 - sigma unclamped)
+    lam = [float(np.log(1.0 - a) - np.log(b)) if b > 0 else math.inf for a, b in zip(sig, st)]
     rows = np.zeros((steps, row_size(K)), dtype=np.float64)
     orders = [min(K, steps - i if cfg.lower_order_final else K, i - start + 1) for i in range(steps)]
     for i in range(start, steps):
@@ -176,7 +182,7 @@ def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] |
             h_phi_1, b_h, R, b = _bh_terms(h, order, cfg.solver_type, rks)
             rhos = np.array([0.5]) if order == 1 else np.linalg.solve(R, b)
             alpha_t = 1.0 - sig[i]
-            c[1] = sig[i] / sig[i - 1]
+            c[1] = st[i] / st[i - 1]
             c[3] += -alpha_t * h_phi_1  # m_{i-1} is m0 of the corrector
             for k, rk in enumerate(rks, start=1):  # D1_k = (m_{i-1-k} - m_{i-1}) / rk
                 w = -alpha_t * b_h * rhos[k - 1] / rk
@@ -192,7 +198,7 @@ def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] |
         rks = [(lam[i - k] - lam[i]) / h for k in range(1, order)]
         h_phi_1, b_h, R, b = _bh_terms(h, order, cfg.solver_type, rks)
         alpha_t = 1.0 - sig[i + 1]
-        p[0] = sig[i + 1] / sig[i]
+        p[0] = st[i + 1] / st[i]
         p[1] = -alpha_t * h_phi_1
         if order > 1:
             rhos_p = np.array([0.5]) if order == 2 else np.linalg.solve(R[:-1, :-1], b[:-1])
@@ -200,8 +206,8 @@ def plan(steps: int, shift: float, cfg: UniPCConfig, sigmas: tuple[float, ...] |
                 w = -alpha_t * b_h * rhos_p[k - 1] / rk
                 p[1 + k] += w
                 p[1] -= w
-    out = Plan(timesteps=timesteps[start:].astype(np.float32), sigmas=sigmas32[start:],
-               coeffs=rows[start:].astype(np.float32))
+    out = Plan(timesteps=np.asarray(timesteps)[start:].astype(np.float32),
+               sigmas=np.asarray(sigmas, np.float32)[start:], coeffs=rows[start:].astype(np.float32))
     for a in (out.timesteps, out.sigmas, out.coeffs):
         a.setflags(write=False)
     return out
