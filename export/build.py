@@ -277,7 +277,10 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
     run_defaults = defaults_for(kind, sched_cfg, Defaults(steps=kind.steps, guidance=kind.guidance, flow_shift=shift,
                                                           fps=kind.fps, sampler=sampler), s.defaults)
     order = sched_cfg.solver_order
-    chunks = chunks_for(src.scheduler_config, src.transformer_config) if kind.helios else None
+    chunks = chunks_for(src.scheduler_config, src.transformer_config, src.pipeline_options) if kind.helios else None
+    if chunks is not None:
+        for g in shapes:
+            check_pyramid(g, chunks)
     adapters = lora.read_merges(list(s.loras), expert_shapes(src)) if s.loras else []
     attention = attention_for(s.target, s.attention)
     mesh = abstract_mesh(s.target)
@@ -374,9 +377,11 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
                         export_face_motion(ex, shapes, geo, model_dtype, add_program)
                     block = extract(module.blocks[0], attention, mesh, cpu_dots=s.target.platform == "cpu")
                     for g in shapes:  # the model loaded once; each shape costs its own tracing only
-                        export_denoise(src, ex, block, kind, g, s.target, order, model_dtype,
-                                       conditioning_inputs(kind, g, ex.module, chunks), add_program, write_program,
-                                       programs, shape_suffix("video", g, geo), chunks)
+                        extras = conditioning_inputs(kind, g, ex.module, chunks)
+                        for stage, at in pyramid_shapes(g, chunks):  # (a Helios pyramid's lower stages first)
+                            export_denoise(src, ex, block, kind, at, s.target, order, model_dtype, extras,
+                                           add_program, write_program, programs,
+                                           stage + shape_suffix("video", g, geo), chunks)
                 else:  # the same programs with this expert's weights (identical names, shapes and shardings)
                     first = programs[kinds.denoise_program(0)]
                     if weight_files[group].tensors != weight_files[first.weights].tensors:
@@ -492,13 +497,46 @@ def defaults_for(kind: Kind, config: sched.UniPCConfig, base: Defaults, given: d
     return d
 
 
-def chunks_for(scheduler_config: dict[str, Any], transformer_config: dict[str, Any]) -> Chunks:
-    """A Helios bundle's chunk settings: HeliosPipeline's history sizes, and its HeliosScheduler's shift settings
-    (calculate_shift's line as the pipeline reads it from the scheduler config, diffusers' defaults where absent)."""
-    cfg, d = scheduler_config, Chunks()
+def pyramid_shapes(g: Geometry, chunks: Chunks | None) -> list[tuple[str, Geometry]]:
+    """(program name suffix, the DiT's latent geometry) of each stage of shape `g`: one, `g` itself, unless a Helios
+    pyramid, whose stage k of S runs on latents 2^(S-1-k) times smaller (its history stays full size)."""
+    stages = chunks.stages if chunks is not None else 1
+    out = []
+    for k in range(stages):
+        f = 2 ** (stages - 1 - k)
+        name = kinds.stage_program("", k, stages)
+        out.append((name, dataclasses.replace(g, latent_height=g.latent_height // f, latent_width=g.latent_width // f)))
+    return out
+
+
+def check_pyramid(g: Geometry, chunks: Chunks) -> None:
+    """A pyramid of S stages halves the latents S - 1 times, down to whole patches: refuse other sizes in one line."""
+    div = 2 ** (chunks.stages - 1) * max(chunks.patch_size[1:])
+    if g.latent_height % div or g.latent_width % div:
+        step = div * g.spatial_scale
+        raise UserError(f"{g.size}: a Helios pyramid of {chunks.stages} stages halves the latents "
+                        f"({g.latent_width}x{g.latent_height}) {chunks.stages - 1} times, so they must divide by {div}: "
+                        f"give a resolution whose width and height are multiples of {step}")
+
+
+def chunks_for(scheduler_config: dict[str, Any], transformer_config: dict[str, Any],
+               pipeline_options: dict[str, Any] | None = None) -> Chunks:
+    """A Helios bundle's chunk settings: HeliosPipeline's history sizes; its scheduler's shift settings (calculate_shift's
+    line as the pipeline reads it from the scheduler config, diffusers' defaults where absent); a pyramid pipeline's
+    stages, gamma, DMD (HeliosDMDScheduler) and CFG-Zero* (model_index.json's is_cfg_zero_star)."""
+    cfg, d, opts = scheduler_config, Chunks(), pipeline_options or {}
+    pyramid = bool(opts.get("pyramid"))
+    dmd = cfg.get("_class_name") == "HeliosDMDScheduler"
+    if dmd and not pyramid:
+        raise UserError("a HeliosDMDScheduler runs only in HeliosPyramidPipeline (the distilled model's stages): "
+                        "export the checkpoint as HeliosPyramidPipeline")
+    stages = int(cfg.get("stages", 3)) if pyramid else 1
     return Chunks(history_sizes=d.history_sizes, patch_size=tuple(int(p) for p in transformer_config["patch_size"]),
+                  stages=stages, stage_range=tuple(float(r) for r in cfg.get("stage_range", d.stage_range)),
+                  gamma=float(cfg.get("gamma", d.gamma)), distilled=dmd,
+                  cfg_zero_star=bool(opts.get("is_cfg_zero_star")),
                   use_dynamic_shifting=bool(cfg.get("use_dynamic_shifting", False)),
-                  time_shift_type=str(cfg.get("time_shift_type", d.time_shift_type)),
+                  time_shift_type=str(cfg.get("time_shift_type", "linear" if dmd else d.time_shift_type)),
                   shift=float(cfg.get("shift") if cfg.get("shift") is not None else 1.0),
                   **{k: type(getattr(d, k))(cfg.get(k, getattr(d, k)))
                      for k in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")})
@@ -521,8 +559,8 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None, chunks: C
         shapes["control_scale"] = (len(module.config.vace_layers),)
     if kind.forcing:  # re-noise for pinned frames and its share per frame, the frames that step, causal blocks, fps
         shapes.update(noise=(b, z, t, h, w), blend=(t,), update=(t,), causal_block=(), fps=())
-    if kind.helios:  # the clean history: the first frame, then the long, mid and short history's frames
-        shapes["history"] = (b, z, 1 + sum((chunks or Chunks()).history_sizes), h, w)
+    if kind.helios:  # the clean history (the first frame, then the long, mid and short history's), the guidance
+        shapes.update(history=(b, z, 1 + sum((chunks or Chunks()).history_sizes), h, w), cfg_mode=())
     if kind.animate:  # the pose latents of the video's frames; the face_motion program's vectors, for cond and uncond
         cfg = module.config
         shapes["pose"] = (b, z, geo.latent_frames, h, w)

@@ -215,15 +215,16 @@ def build_helios(ex: Extracted, order: int, dtype: Any, text_tokens: int, histor
     """fn(weights, state, kv, timestep, guidance, row, history) -> (new state, all-finite flag): one step of a Helios
     chunk (diffusers' HeliosPipeline's loop body, its two CFG calls as one batch).
 
-    state, kv, timestep, guidance, row as `build`'s (T: the chunk's latent frames); history float32 (B, z, 1 + sum
-    (history_sizes), H, W): the clean latents the chunk sees, [prefix (the first frame, or zeros), long, mid, short]
-    (runtime/helios.py builds it), cast to the model dtype and split as diffusers splits them; its frame positions
-    are fixed (helios_indices), so they are constants of the program."""
+    state, kv, timestep, guidance, row as `build`'s (T: the chunk's latent frames; H, W: the pyramid stage's); history
+    float32 (B, z, 1 + sum(history_sizes), H', W'): the clean latents the chunk sees at full resolution, [prefix (the
+    first frame, or zeros), long, mid, short] (runtime/helios.py builds it), cast to the model dtype and split as
+    diffusers splits them; its frame positions are fixed (helios_indices), so they are constants of the program;
+    cfg_mode float32: 0 CFG, 1 CFG-Zero*, 2 a zero prediction (kinds.py "helios")."""
     copies = 2 if variant.cfg else 1
     n_long, n_mid, _ = history_sizes
 
     def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array, guidance: jax.Array,
-             row: jax.Array, history: jax.Array) -> tuple[jax.Array, ...]:
+             row: jax.Array, history: jax.Array, cfg_mode: jax.Array) -> tuple[jax.Array, ...]:
         x = state[0]
         b, frames = x.shape[0], x.shape[2]
         hist = history.astype(dtype)
@@ -241,9 +242,15 @@ def build_helios(ex: Extracted, order: int, dtype: Any, text_tokens: int, histor
         args = (both(x).astype(dtype), t, jnp.zeros((n, text_tokens, 0), dtype))
         with cross_kv.precomputed(ex.module, ex.env, kv[:, :, :n], text_tokens):
             out = ex.fn(weights, args, kwargs)[0]
-        if variant.cfg:  # as diffusers: noise_uncond + g * (noise_pred - noise_uncond), when g > 1
+        if variant.cfg:  # as diffusers, when g > 1: noise_uncond + g * (noise_pred - noise_uncond), or CFG-Zero*
             cond, uncond = out[:b], out[b:]
-            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+            plain = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+            c32, u32 = cond.astype(jnp.float32), uncond.astype(jnp.float32)
+            axes = tuple(range(1, cond.ndim))  # optimized_scale: per sample, over all of it
+            alpha = (jnp.sum(c32 * u32, axis=axes, keepdims=True)
+                     / (jnp.sum(u32 * u32, axis=axes, keepdims=True) + 1e-8)).astype(out.dtype)
+            star = uncond * alpha + (guidance * (cond - uncond * alpha).astype(jnp.float32)).astype(out.dtype)
+            guided = jnp.where(cfg_mode == 1, star, jnp.where(cfg_mode == 2, cond * 0, plain))
             v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
         else:
             v = out.astype(jnp.float32)

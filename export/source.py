@@ -49,6 +49,8 @@ class Source:
     image_processor_config: dict[str, Any] | None = None  # the CLIP image processor's preprocessor_config
     video_to_video: bool = False  # a text-to-video model that also takes a source video (VAE encoder programs)
     vae_file: VaeFile | None = None  # --vae: the VAE from a file in the original Wan layout (export/vae_file.py)
+    # the pipeline's own settings that shape the run (Helios: {"pyramid", "is_distilled", "is_cfg_zero_star"})
+    pipeline_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def model(self) -> Kind:
@@ -225,6 +227,7 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
                      transformer_config=_full_config({"WanVACEPipeline": "vace_transformer",
                                                       "WanAnimatePipeline": "animate_transformer",
                                                       "HeliosPipeline": "helios_transformer",
+                                                      "HeliosPyramidPipeline": "helios_transformer",
                                                       **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
@@ -307,9 +310,12 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
         scheduler_config=sched, tokenizer_json=_tokenizer_json(tokenizer),
         boundary_ratio=index.get("boundary_ratio") if two else None,
         image_encoder_config=image_encoder, image_processor_config=image_processor,
-        video_to_video=PIPELINES[pipeline] == "v2v")
+        video_to_video=PIPELINES[pipeline] == "v2v",
+        pipeline_options={"pyramid": pipeline == "HeliosPyramidPipeline",
+                          **{k: bool(index.get(k)) for k in ("is_distilled", "is_cfg_zero_star")}}
+        if PIPELINES[pipeline] == "helios" else {})
     src.model_kind = detect_kind(pipeline, two, bool(index.get("expand_timesteps")), transformer,
-                                 image_encoder is not None, where)
+                                 image_encoder is not None, where, src.pipeline_options, sched)
     check_consistent(src)
     return src
 
@@ -326,19 +332,17 @@ SKYREELS_PIPELINES = {"SkyReelsV2Pipeline": "skyreels-t2v", "SkyReelsV2ImageToVi
                       "SkyReelsV2DiffusionForcingVideoToVideoPipeline": "skyreels-df"}
 PIPELINES.update({name: "skyreels" for name in SKYREELS_PIPELINES})
 # Helios (runtime/kinds.py's helios row; runtime/helios.py): text, image or video in, chunks of any count.
-PIPELINES["HeliosPipeline"] = "helios"
+PIPELINES.update(HeliosPipeline="helios", HeliosPyramidPipeline="helios")
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
-                image_encoder: bool, where: str) -> str:
+                image_encoder: bool, where: str, options: dict[str, Any] | None = None,
+                scheduler: dict[str, Any] | None = None) -> str:
     """The runtime/kinds.py row of a diffusers Wan pipeline, from its model_index.json and configs."""
     if pipeline in SKYREELS_PIPELINES:
         return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
     if PIPELINES[pipeline] == "helios":
-        if two_experts or image_encoder:
-            raise UserError(f"{where}: Helios with two experts or an image encoder is not a configuration wan-aot knows "
-                            "(BestWishYsh/Helios-Base has one transformer and no image encoder)")
-        return "helios"
+        return detect_helios(pipeline, two_experts or image_encoder, options or {}, scheduler or {}, where)
     if PIPELINES[pipeline] == "lucy":  # Lucy Edit: TI2V-5B's DiT (expand_timesteps) on [noise, source video latents]
         if two_experts or image_encoder:
             raise UserError(f"{where}: Lucy Edit with two experts or an image encoder is not a configuration wan-aot "
@@ -366,6 +370,27 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
         raise UserError(f"{where}: an image-to-video pipeline with one expert needs a CLIP image_encoder "
                         "(Wan 2.1 I2V); wan-aot knows no other one-expert I2V configuration")
     return "flf2v" if transformer.get("pos_embed_seq_len") else "i2v"
+
+
+def detect_helios(pipeline: str, other_parts: bool, options: dict[str, Any], scheduler: dict[str, Any],
+                  where: str) -> str:
+    """helios (HeliosPipeline), helios-pyramid or helios-distilled (HeliosPyramidPipeline, is_distilled: its
+    HeliosDMDScheduler's steps). diffusers steps a distilled pipeline's scheduler with DMD's arguments, which only
+    HeliosDMDScheduler takes, and a HeliosDMDScheduler with them only: refuse a mismatch."""
+    if other_parts:
+        raise UserError(f"{where}: Helios with two experts or an image encoder is not a configuration wan-aot knows "
+                        "(BestWishYsh/Helios-Base has one transformer and no image encoder)")
+    dmd = scheduler.get("_class_name") == "HeliosDMDScheduler"
+    if pipeline == "HeliosPipeline":
+        if dmd:
+            raise UserError(f"{where}: HeliosPipeline with a HeliosDMDScheduler does not run (diffusers steps it "
+                            "without DMD's arguments): the distilled model is a HeliosPyramidPipeline")
+        return "helios"
+    if bool(options.get("is_distilled")) != dmd:
+        raise UserError(f"{where}: model_index.json says is_distilled={bool(options.get('is_distilled'))} but the "
+                        f"scheduler is {scheduler.get('_class_name')}: a distilled Helios needs HeliosDMDScheduler, "
+                        "and HeliosDMDScheduler a distilled pipeline")
+    return "helios-distilled" if dmd else "helios-pyramid"
 
 
 def detect_skyreels(pipeline: str, two_experts: bool, transformer: dict[str, Any], image_encoder: bool,

@@ -46,7 +46,8 @@ _VAE22_48 = {**_VAE22, "z_dim": 48, "latents_mean": [round(0.05 * ((7 * i) % 11 
 # Named variants; "tiny" is the default. "tiny-wide" exists so tests cover a second
 # architecture (more heads and layers, a wider VAE with a channel multiplier).
 # Optional keys: pipeline ("t2v" | "i2v" | "vace" | "v2v" | "animate" | "lucy" | "skyreels-t2v" | "skyreels-i2v" |
-# "skyreels-df" | "helios"; helios with its HeliosScheduler's `scheduler` settings), experts (2: transformer_2 with boundary_ratio), expand_timesteps, image_encoder (a
+# "skyreels-df" | "helios" | "helios-pyramid"; these two with their scheduler's `scheduler` settings, the pyramid's
+# pipeline `options` and `dmd` for HeliosDMDScheduler), experts (2: transformer_2 with boundary_ratio), expand_timesteps, image_encoder (a
 # CLIPVisionConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -129,6 +130,15 @@ VARIANTS["tiny-helios"] = dict(
                      is_amplify_history=True),
     vae=_VAE, text_encoder=_UMT5, pipeline="helios",
     scheduler=dict(stages=1, use_dynamic_shifting=True, shift=1.0, scheduler_type="unipc"))
+# Helios-Mid and -Distilled in miniature: HeliosPyramidPipeline's three stages (gamma 0.3: at the class default 1/3
+# the block noise's covariance is singular and diffusers' float32 Cholesky fails), CFG-Zero*, and the distilled one's
+# HeliosDMDScheduler.
+VARIANTS["tiny-helios-pyramid"] = dict(
+    VARIANTS["tiny-helios"], pipeline="helios-pyramid", options=dict(is_cfg_zero_star=True),
+    scheduler=dict(stages=3, gamma=0.3, use_dynamic_shifting=True, shift=1.0, scheduler_type="unipc"))
+VARIANTS["tiny-helios-distilled"] = dict(
+    VARIANTS["tiny-helios"], pipeline="helios-pyramid", options=dict(is_distilled=True), dmd=True,
+    scheduler=dict(stages=3, gamma=0.3, use_dynamic_shifting=True, shift=1.0, time_shift_type="linear"))
 
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
 
@@ -197,15 +207,24 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )).eval()
     pipeline = spec.get("pipeline", "t2v")
-    from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+    from diffusers import (
+        HeliosDMDScheduler,
+        HeliosPipeline,
+        HeliosPyramidPipeline,
+        HeliosScheduler,
+        HeliosTransformer3DModel,
+    )
 
+    helios = pipeline in ("helios", "helios-pyramid")
     dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,
+           "helios-pyramid": HeliosTransformer3DModel,
            **dict.fromkeys(SKYREELS_PIPELINES, SkyReelsV2Transformer3DModel)}.get(pipeline, WanTransformer3DModel)
     torch.manual_seed(1)
     transformer = dit(**spec["transformer"]).eval()
     torch.manual_seed(2)
     vae = AutoencoderKLWan(**spec["vae"]).eval()
-    scheduler = HeliosScheduler(**spec["scheduler"]) if pipeline == "helios" else UniPCMultistepScheduler(
+    helios_scheduler = HeliosDMDScheduler if spec.get("dmd") else HeliosScheduler
+    scheduler = helios_scheduler(**spec["scheduler"]) if helios else UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=spec["flow_shift"], solver_order=2, solver_type="bh2", lower_order_final=True,
         final_sigmas_type="zero",
@@ -227,6 +246,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         parts["expand_timesteps"] = True
     if pipeline == "helios":
         return HeliosPipeline(**parts)
+    if pipeline == "helios-pyramid":
+        return HeliosPyramidPipeline(**parts, **spec.get("options", {}))
     if pipeline == "lucy":
         from diffusers import LucyEditPipeline
 

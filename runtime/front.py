@@ -29,14 +29,15 @@ LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = {
                                                               "causal_block_size", "addnoise_condition", "fps")),
     "helios": ("Helios models", ("num_frames", "add_noise_to_image_latents", "image_noise_sigma_min",
                                  "image_noise_sigma_max", "add_noise_to_video_latents", "video_noise_sigma_min",
-                                 "video_noise_sigma_max", "is_skip_first_chunk", "fps")),
+                                 "video_noise_sigma_max", "is_skip_first_chunk", "pyramid_num_inference_steps_list",
+                                 "use_zero_init", "zero_steps", "is_amplify_first_chunk", "fps")),
 }
 
 # The engine's keywords a loop does not take: given, they are refused in one line; None, dropped.
 NOT_TAKEN: dict[str, tuple[str, ...]] = {
     "animate": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
     "forcing": ("mask", "reference_images", "conditioning_scale", "strength", "noise"),
-    "helios": ("last_image", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
+    "helios": ("last_image", "mask", "reference_images", "conditioning_scale", "strength"),
 }
 
 

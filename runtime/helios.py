@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import images, previews, samplers, scheduler, video_input
+from . import images, kinds, previews, samplers, scheduler, video_input
 from . import manifest as mf
 from .distributed import fetch, is_primary, put
 from .errors import UserError
@@ -78,11 +80,120 @@ def plan(sampler: str, steps: int, chunks: mf.Chunks, config: scheduler.UniPCCon
     if sampler == "unipc":
         return scheduler.plan_of(timesteps, sig, sig, config, floor=SIGMA_FLOOR)
     rows = samplers.euler_rows(sig, config.solver_order)
-    out = scheduler.Plan(timesteps=timesteps.astype(np.float32), sigmas=sig.astype(np.float32),
-                         coeffs=rows.astype(np.float32))
-    for a in (out.timesteps, out.sigmas, out.coeffs):
+    return _frozen(scheduler.Plan(timesteps=timesteps.astype(np.float32), sigmas=sig.astype(np.float32),
+                                  coeffs=rows.astype(np.float32)))
+
+
+def _frozen(p: scheduler.Plan) -> scheduler.Plan:
+    for a in (p.timesteps, p.sigmas, p.coeffs):
         a.setflags(write=False)
-    return out
+    return p
+
+
+def stage_schedule(c: mf.Chunks, num_train_timesteps: int = 1000) -> tuple[list[float], list[tuple[float, float]]]:
+    """HeliosScheduler.init_sigmas_for_each_stage (the same in HeliosDMDScheduler), in float64: each stage's original
+    start sigma (what the renoising between stages corrects) and the (max, min) of its training timesteps."""
+    n = num_train_timesteps
+    s = 1.0 - np.linspace(1, 1 / n, n + 1)
+    sigmas = np.flip(c.shift * s / (1 + (c.shift - 1) * s))[:-1].copy()
+    timesteps = sigmas * n
+    ori, distance = [], []
+    for i in range(c.stages):
+        start = max(int(c.stage_range[i] * n), 0)
+        end = min(int(c.stage_range[i + 1] * n), n)
+        start_sigma = float(sigmas[start])
+        end_sigma = float(sigmas[end]) if end < n else 0.0
+        ori.append(start_sigma)
+        if i:
+            o = 1 - start_sigma
+            start_sigma = 1 - (1 / (math.sqrt(1 + 1 / c.gamma) * (1 - o) + o)) * o
+        distance.append(start_sigma - end_sigma)
+    total = sum(distance)
+    ranges = []
+    for i in range(c.stages):
+        r0 = 0.0 if i == 0 else sum(distance[:i]) / total
+        r1 = 0.9999999999999999 if i == c.stages - 1 else sum(distance[:i + 1]) / total
+        t_max = min(float(timesteps[int(r0 * n)]), 999.0)
+        t_min = float(timesteps[min(int(r1 * n), n - 1)])
+        ranges.append((t_max, t_min))
+    return ori, ranges
+
+
+def stage_plan(sampler: str, steps: int, stage: int, c: mf.Chunks, config: scheduler.UniPCConfig, tokens: int,
+               amplify: bool = False) -> scheduler.Plan:
+    """Pyramid stage `stage`'s schedule as HeliosPyramidPipeline sets it (set_timesteps(steps, stage, mu=...)): the
+    timesteps the DiT sees (truncated to whole numbers, as the pipeline's .to(torch.int64)), the sigmas, and one row
+    per step: UniPC, Euler, or DMD (`c.distilled`: x0 = x - sigma v renoised to the next sigma towards the stage's
+    start, HeliosDMDScheduler.step; its first chunk twice the steps with `amplify`)."""
+    n = config.num_train_timesteps
+    _, ranges = stage_schedule(c, n)
+    t_max, t_min = ranges[stage]
+    count = (2 * steps + 1 if amplify else steps + 1) if c.distilled else steps
+    timesteps = np.linspace(t_max, t_min, count)
+    train = np.linspace(0.999, 0, n + 1)[:-1]
+    sig = np.concatenate([np.linspace(train[0], train[-1], count), [0.0]])
+    if c.distilled:
+        timesteps, sig = timesteps[:-1], np.concatenate([sig[:-2], sig[-1:]])
+    if c.use_dynamic_shifting:
+        sig = time_shift(calculate_shift(tokens, c), sig, c.time_shift_type)
+        stage_ts = np.linspace(t_max, t_min, n + 1)[:-1]
+        timesteps = stage_ts.min() + sig[:-1] * (stage_ts.max() - stage_ts.min())
+    fed = np.trunc(timesteps)
+    if c.distilled:
+        rows = dmd_rows(timesteps, sig, config.solver_order)
+    elif sampler == "unipc":
+        p = scheduler.plan_of(fed, sig, sig, config, floor=SIGMA_FLOOR)
+        return p
+    else:
+        rows = samplers.euler_rows(sig, config.solver_order)
+    return _frozen(scheduler.Plan(timesteps=fed.astype(np.float32), sigmas=sig.astype(np.float32),
+                                  coeffs=rows.astype(np.float32)))
+
+
+def dmd_rows(timesteps: np.ndarray, sig: np.ndarray, order: int) -> np.ndarray:
+    """HeliosDMDScheduler.step as rows over the step state (runtime/scheduler.py's layout), the state's second row
+    holding the stage's start tensor (the corrector keeps it: xc = xprev): x0 = x - sigma v, then (1 - s') x0 + s'
+    start, s' the next step's sigma (x0 itself on the last step). The sigmas are looked up as the scheduler does, at
+    the timestep nearest each step's truncated one."""
+    rows = np.zeros((len(timesteps), scheduler.row_size(order)), np.float64)
+
+    def sigma_at(t: float) -> float:
+        return float(sig[np.argmin(np.abs(timesteps - np.trunc(t)))])
+
+    for i, row in enumerate(rows):
+        row[0] = sigma_at(timesteps[i])
+        row[2] = 1.0  # xc = xprev: the start carried on
+        nxt = sigma_at(timesteps[i + 1]) if i < len(timesteps) - 1 else 0.0
+        p = row[1 + order + 3:]
+        p[0], p[1] = nxt, 1.0 - nxt
+    return rows
+
+
+def block_noise(key: jax.Array, shape: tuple[int, ...], gamma: float, patch: tuple[int, ...]) -> np.ndarray:
+    """HeliosPyramidPipeline.sample_block_noise's distribution: Gaussian noise correlated within each ph x pw block,
+    covariance (1 + gamma) I - gamma (the blocks' mean noise reduced), drawn from `key`. The factor is computed in
+    float64 (diffusers' float32 Cholesky fails at its default gamma 1/3, where the covariance is singular)."""
+    _, ph, pw = patch
+    size = ph * pw
+    cov = np.eye(size) * (1 + gamma) - np.ones((size, size)) * gamma + np.eye(size) * 1e-8
+    w, v = np.linalg.eigh(cov)
+    factor = v * np.sqrt(np.clip(w, 0, None))  # factor @ factor.T = cov (a Cholesky factor's distribution)
+    b, ch, f, h, wd = shape
+    z = np.asarray(jax.random.normal(key, (b * ch * f * (h // ph) * (wd // pw), size), jnp.float32), np.float64)
+    noise = (z @ factor.T).reshape(b, ch, f, h // ph, wd // pw, ph, pw).transpose(0, 1, 2, 3, 5, 4, 6)
+    return noise.reshape(shape).astype(np.float32)
+
+
+def downsample(x: np.ndarray) -> np.ndarray:
+    """F.interpolate(x, scale 1/2, "bilinear") x 2 on each frame, as the pyramid shrinks the noise: twice each 2x2
+    block's mean."""
+    b, c, f, h, w = x.shape
+    return (x.reshape(b, c, f, h // 2, 2, w // 2, 2).mean(axis=(4, 6)) * 2).astype(np.float32)
+
+
+def upsample(x: np.ndarray) -> np.ndarray:
+    """F.interpolate(x, scale 2, "nearest") on each frame."""
+    return np.repeat(np.repeat(x, 2, axis=3), 2, axis=4)
 
 
 def chunk_count(num_frames: int, window: int) -> int:
@@ -118,11 +229,13 @@ def _uniform(key: jax.Array, n: int, low: float, high: float) -> np.ndarray:
 def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
              image: Any = None, video: Any = None, num_frames: int | None = None, seed: int = 0,
              steps: int | None = None, guidance: float | None = None, sampler: str | None = None,
-             sigmas: Sequence[float] | None = None, latents: Any = None,
+             sigmas: Sequence[float] | None = None, latents: Any = None, noise: Any = None,
              add_noise_to_image_latents: bool | None = None, image_noise_sigma_min: float | None = None,
              image_noise_sigma_max: float | None = None, add_noise_to_video_latents: bool | None = None,
              video_noise_sigma_min: float | None = None, video_noise_sigma_max: float | None = None,
-             is_skip_first_chunk: bool | None = None, progress: bool = True, size: Any = None,
+             is_skip_first_chunk: bool | None = None, pyramid_num_inference_steps_list: Sequence[int] | None = None,
+             use_zero_init: bool | None = None, zero_steps: int | None = None,
+             is_amplify_first_chunk: bool | None = None, progress: bool = True, size: Any = None,
              frames: int | None = None, on_step: Callable[[int, int], None] | None = None,
              on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full",
              on_frames: Callable[[np.ndarray], None] | None = None, flow_shift: float | None = None,
@@ -133,12 +246,17 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     the new frames, as diffusers). `frames` alone is the video's length (as the CLI's --frames); `size` picks the
     bundle shape. diffusers' settings by its names: add_noise_to_image_latents (default True),
     image_noise_sigma_min/max (0.111, 0.135), add_noise_to_video_latents and video_noise_sigma_min/max (the same),
-    is_skip_first_chunk. `latents`: one initial noise per chunk (B, z, C, h, w), or the first chunk's. `on_step(done,
-    total)` after every step of every chunk (it may raise to stop the run), `on_preview(rgb)` with each step's
-    estimate of the chunk's middle frame, `on_frames(frames)` with each chunk's frames as soon as it is decoded.
-    The rest as Pipeline.generate; `sampler` is "unipc" or "euler" (HeliosScheduler's), `sigmas` one per step before
-    the shift. flow_shift, guidance_2 and MagCache have no meaning here (the shift is computed per chunk) and are
-    refused; `low_memory` changes nothing (each chunk is decoded as it is made); `fps` is the mp4's only."""
+    is_skip_first_chunk; a pyramid bundle's pyramid_num_inference_steps_list (default `steps` per stage),
+    use_zero_init and zero_steps (CFG-Zero*'s first steps of zeros: True, 1), is_amplify_first_chunk (the distilled
+    model's first chunk at twice the steps). `latents`: one initial noise per chunk (B, z, C, h, w, at full
+    resolution), or the first chunk's; `noise`: a pyramid's renoising draws, per chunk a list of one per stage after
+    the first (as diffusers adds them: sample_block_noise's). `on_step(done, total)` after every step of every chunk
+    (it may raise to stop the run), `on_preview(rgb)` with each full-resolution step's estimate of the chunk's middle
+    frame, `on_frames(frames)` with each chunk's frames as soon as it is decoded. The rest as Pipeline.generate;
+    `sampler` is "unipc" or "euler" (HeliosScheduler's; a distilled bundle steps with its DMD scheduler), `sigmas`
+    one per step before the shift (not for a pyramid, whose stages set theirs). flow_shift, guidance_2 and MagCache
+    have no meaning here (the shift is computed per chunk) and are refused; `low_memory` changes nothing (each chunk
+    is decoded as it is made); `fps` is the mp4's only."""
     if magcache is not None:
         raise UserError("MagCache is not for Helios: leave magcache out")
     if flow_shift is not None:
@@ -149,6 +267,19 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     chunks = pipe.manifest.chunks
     if chunks is None:
         raise UserError("this bundle has no Helios chunk settings (manifest `chunks`): re-export it")
+    pyramid = chunks.stages > 1
+    if not pyramid:
+        for name, value in (("pyramid_num_inference_steps_list", pyramid_num_inference_steps_list), ("noise", noise),
+                            ("use_zero_init", use_zero_init), ("zero_steps", zero_steps),
+                            ("is_amplify_first_chunk", is_amplify_first_chunk)):
+            if value is not None:
+                raise InputError(f"{name} is for a Helios pyramid (HeliosPyramidPipeline); this bundle is "
+                                 f"{pipe.kind.title}", name)
+    elif sigmas is not None:
+        raise InputError("sigmas: a Helios pyramid's stages set their own (give steps or "
+                         "pyramid_num_inference_steps_list)", "sigmas")
+    if chunks.distilled and sampler is not None:
+        raise InputError("a distilled Helios samples with its DMD scheduler: leave sampler out", "sampler")
     pipe._prompts(prompt, "prompt")
     pipe.decoder_programs(decoder)  # a decoder the bundle lacks fails before any work
     if num_frames is None and frames is not None:  # as the CLI's --frames: the video's length
@@ -173,15 +304,17 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
                          f"{window}: Helios continues a video from its last whole chunks of {window} frames",
                          "video")
     pil = None if image is None else images.load_image(image, "image")
-    s = pipe.settings(seed, steps, guidance, None, None, sampler, sigmas)
+    s = pipe.settings(seed, steps, guidance, None, None, None if chunks.distilled else sampler, sigmas)
     if s.sampler not in SAMPLERS:
         raise InputError(f"sampler {s.sampler} is not one of Helios' ({', '.join(SAMPLERS)})", "sampler")
-    patch = int(np.prod(chunks.patch_size))
-    sched = plan(s.sampler, s.steps, chunks, pipe.scheduler_config, cf * g.latent_height * g.latent_width // patch,
-                 s.sigmas)
-    noise = segment_noise(latents, count, g.latent_shape)
-    programs = pipe.step_programs(s.steps, sched.timesteps, s, None, g)
-    total = count * s.steps
+    stage_steps = _stage_steps(pyramid_num_inference_steps_list, s.steps, chunks.stages)
+    zero = _zero_init(use_zero_init, zero_steps)
+    amplify = bool(is_amplify_first_chunk) and chunks.distilled  # (diffusers: a distilled pipeline's only)
+    runs = [_chunk_run(pipe, g, chunks, s, stage_steps, amplify and k == 0, zero) for k in range(min(count, 2))]
+    runs += [runs[-1]] * (count - len(runs))
+    initial = segment_noise(latents, count, g.latent_shape)
+    renoise = _renoise_draws(noise, count, g, chunks.stages)
+    total = sum(len(r.programs) for r in runs)
 
     pipe.start_loading(pil is not None or source is not None, s.seed, s.steps, s.guidance, None, None, None, prompt,
                        negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
@@ -191,23 +324,27 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         key = jax.random.fold_in(jax.random.key(s.seed), 0x4E110)
         prefix, history = _start(pipe, g, chunks, pil, source, add_image, add_video, image_range, video_range, key)
         context = np.concatenate([embeds["prompt_embeds"], embeds["negative_prompt_embeds"]]).astype(np.float32)
-        kv = pipe.prompt_kv(context, 0, pipe.text_rows(context, programs))
+        kv = pipe.prompt_kv(context, 0, pipe.text_rows(context, runs[0].programs[:1]))
         keep = output_frames(count, window, g.temporal_scale)
         parts: list[np.ndarray] = []
-        made = 0
+        made = done = 0
         for k in range(count):
-            x0 = noise[k] if noise[k] is not None else seed_noise(s.seed, k, g.latent_shape)
+            x0 = initial[k] if initial[k] is not None else seed_noise(s.seed, k, g.latent_shape)
             first = prefix if prefix is not None else np.zeros((*g.latent_shape[:2], 1, *g.latent_shape[3:]),
                                                                np.float32)
             hist = np.concatenate([first, history[:, :, -sum(chunks.history_sizes):]], axis=2)
+            draws = renoise[k] or [block_noise(jax.random.fold_in(jax.random.fold_in(key, 0xB10C + k), st),
+                                               _stage_shape(g, chunks.stages, st), chunks.gamma, chunks.patch_size)
+                                   for st in range(1, chunks.stages)]
 
-            def step_done(i: int, k: int = k) -> None:
+            def step_done(i: int, done: int = done) -> None:
                 bar.update(1)
                 if on_step is not None:
-                    on_step(k * s.steps + i + 1, total)
+                    on_step(done + i + 1, total)
 
-            out = denoise_chunk(pipe, g, programs, sched, kv, s.guidance, np.asarray(x0, np.float32), hist,
-                                step_done, on_preview)
+            out = _run_chunk(pipe, g, chunks, runs[k], kv, s.guidance, np.asarray(x0, np.float32), hist, draws,
+                             step_done, on_preview)
+            done += len(runs[k].programs)
             if prefix is None or (is_skip_first_chunk and k == 1):
                 prefix = out[:, :, 0:1]
             history = np.concatenate([history, out], axis=2)
@@ -222,6 +359,118 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         raise
     finally:
         bar.close()
+
+
+@dataclass(frozen=True)
+class ChunkRun:
+    """One chunk's steps: per step, the program, the stage, the plan's row index and the guidance mode (kinds.py
+    "helios" cfg_mode); per stage, its plan."""
+
+    programs: list[str]
+    stages: list[int]
+    rows: list[int]
+    modes: list[int]
+    plans: list[scheduler.Plan]
+
+
+def _stage_steps(given: Sequence[int] | None, steps: int, stages: int) -> list[int]:
+    """Each stage's steps: pyramid_num_inference_steps_list, or `steps` for each."""
+    if given is None:
+        return [steps] * stages
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != stages or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 1 <= v <= 1000 for v in given):
+        raise InputError(f"pyramid_num_inference_steps_list must be {stages} integers in 1..1000 (the steps of each "
+                         f"stage), got {given!r}", "pyramid_num_inference_steps_list")
+    return [int(v) for v in given]
+
+
+def _zero_init(use_zero_init: bool | None, zero_steps: int | None) -> int:
+    """How many leading steps of the first stage CFG-Zero* zeroes (diffusers: the steps i <= zero_steps, with
+    use_zero_init): -1 for none."""
+    if zero_steps is not None and (isinstance(zero_steps, bool) or not isinstance(zero_steps, (int, np.integer))
+                                   or zero_steps < 0):
+        raise InputError(f"zero_steps must be an integer >= 0, got {zero_steps!r}", "zero_steps")
+    return (1 if zero_steps is None else int(zero_steps)) if use_zero_init is None or use_zero_init else -1
+
+
+def _chunk_run(pipe: Pipeline, g: mf.Geometry, chunks: mf.Chunks, s: Any, stage_steps: list[int], amplify: bool,
+               zero: int) -> ChunkRun:
+    """The steps of a chunk: HeliosPipeline's one schedule, or each pyramid stage's (its own resolution's programs)."""
+    config = pipe.scheduler_config
+    patch = int(np.prod(chunks.patch_size))
+    programs, stages, rows, modes, plans = [], [], [], [], []
+    have = pipe.manifest.programs
+    for st in range(chunks.stages):
+        # diffusers computes a stage's mu from the latents before it doubles them: the stage before's size
+        f = 2 ** (chunks.stages - 1 - max(st - 1, 0))
+        tokens = g.latent_frames * (g.latent_height // f) * (g.latent_width // f) // patch
+        if chunks.stages == 1:
+            p = plan(s.sampler, s.steps, chunks, config, tokens, s.sigmas)
+        else:
+            p = stage_plan(s.sampler, stage_steps[st], st, chunks, config, tokens, amplify)
+        plans.append(p)
+        for i in range(len(p.timesteps)):
+            variant = "cond" if s.guidance <= 1.0 and kinds.denoise_program(0, "cond") in have else "cfg"
+            programs.append(pipe._at(kinds.stage_program(kinds.denoise_program(0, variant), st, chunks.stages), g))
+            stages.append(st)
+            rows.append(i)
+            modes.append(2 if st == 0 and i <= zero and chunks.cfg_zero_star else int(chunks.cfg_zero_star))
+    return ChunkRun(programs, stages, rows, modes, plans)
+
+
+def _stage_shape(g: mf.Geometry, stages: int, stage: int) -> tuple[int, ...]:
+    f = 2 ** (stages - 1 - stage)
+    b, z, t, h, w = g.latent_shape
+    return (b, z, t, h // f, w // f)
+
+
+def _renoise_draws(noise: Any, count: int, g: mf.Geometry, stages: int) -> list[list[np.ndarray] | None]:
+    """A pyramid's given renoising draws: per chunk, one per stage after the first (its shape), or None (the seed's)."""
+    if noise is None:
+        return [None] * count
+    if not isinstance(noise, (list, tuple)) or not 1 <= len(noise) <= count:
+        raise InputError(f"noise: give, per chunk (up to {count}), a list of {stages - 1} renoising draws (one per "
+                         "stage after the first)", "noise")
+    out: list[list[np.ndarray] | None] = []
+    for k, per in enumerate(noise):
+        if not isinstance(per, (list, tuple)) or len(per) != stages - 1:
+            raise InputError(f"noise {k}: give {stages - 1} renoising draws (one per stage after the first)", "noise")
+        draws = []
+        for st, x in enumerate(per, start=1):
+            a = np.asarray(x, np.float32)
+            if a.shape != _stage_shape(g, stages, st) or not np.isfinite(a).all():
+                raise InputError(f"noise {k}, stage {st + 1}: must be finite, of shape "
+                                 f"{list(_stage_shape(g, stages, st))} (got {list(a.shape)})", "noise")
+            draws.append(a)
+        out.append(draws)
+    return out + [None] * (count - len(out))
+
+
+def _run_chunk(pipe: Pipeline, g: mf.Geometry, chunks: mf.Chunks, run: ChunkRun, kv: Any, guidance: float,
+               x0: np.ndarray, history: np.ndarray, draws: list[np.ndarray], on_step: Callable[[int], None],
+               on_preview: Callable[[np.ndarray], None] | None) -> np.ndarray:
+    """A chunk's latents from its full-resolution noise `x0`: one schedule, or the pyramid's stages (the noise shrunk
+    to the first stage's size; before each later stage the latents doubled in size and renoised with `draws`)."""
+    x = x0
+    for _ in range(chunks.stages - 1):
+        x = downsample(x)
+    ori, _ = stage_schedule(chunks, pipe.scheduler_config.num_train_timesteps) if chunks.stages > 1 else ([], [])
+    dtype = np.float32 if pipe.manifest.dtype == "fp32" else ml_dtypes.bfloat16
+    at = 0
+    for st in range(chunks.stages):
+        if st:
+            o = 1 - ori[st]
+            alpha = 1 / (math.sqrt(1 + 1 / chunks.gamma) * (1 - o) + o)
+            beta = alpha * (1 - o) / math.sqrt(chunks.gamma)
+            # as diffusers: the block noise in the model dtype, then alpha x + beta noise in float32
+            x = (alpha * upsample(x) + beta * draws[st - 1].astype(dtype).astype(np.float32)).astype(np.float32)
+        n = run.stages.count(st)
+        x = denoise_chunk(pipe, g, run.programs[at:at + n], run.plans[st], kv, guidance, x, history,
+                          run.modes[at:at + n], start=x if chunks.distilled else None,
+                          on_step=lambda i, at=at: on_step(at + i),
+                          on_preview=on_preview if st == chunks.stages - 1 else None)
+        at += n
+    return x
 
 
 def _start(pipe: Pipeline, g: mf.Geometry, chunks: mf.Chunks, pil: Any, source: list[Any] | None, add_image: bool,
@@ -266,14 +515,18 @@ def _start(pipe: Pipeline, g: mf.Geometry, chunks: mf.Chunks, pil: Any, source: 
 
 
 def denoise_chunk(pipe: Pipeline, g: mf.Geometry, programs: list[str], sched: scheduler.Plan, kv: Any,
-                  guidance: float, x0: np.ndarray, history: np.ndarray, on_step: Callable[[int], None] | None = None,
+                  guidance: float, x0: np.ndarray, history: np.ndarray, modes: Sequence[int] | None = None,
+                  start: np.ndarray | None = None, on_step: Callable[[int], None] | None = None,
                   on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
-    """One chunk's steps from its noise `x0` (B, z, C, h, w), the DiT seeing `history` (B, z, 1 + sum(history_sizes),
-    h, w: [prefix, long, mid, short]): the chunk's clean latents, float32. The sampler starts afresh (its history
-    empty), as HeliosPipeline's set_timesteps per chunk."""
+    """One schedule's steps (a chunk's, or a pyramid stage's) from `x0` (B, z, C, h, w), the DiT seeing `history`
+    (B, z, 1 + sum(history_sizes), H, W: [prefix, long, mid, short], full size): the latents, float32. The sampler
+    starts afresh (its history empty), as the pipelines' set_timesteps per chunk and stage; `start` (DMD) goes in
+    the state's second row, where its rows keep it. `modes`: each step's guidance mode (0: CFG)."""
     order = pipe.scheduler_config.solver_order
     state = np.zeros((scheduler.state_rows(order), *x0.shape), np.float32)
     state[0] = x0
+    if start is not None:
+        state[1] = start
     names = pipe.program_inputs(programs[0])
     placed = dict(zip(names, pipe.bundle.call_shardings(programs[0]), strict=True))
     state_dev = put(state, placed["state"])
@@ -281,7 +534,8 @@ def denoise_chunk(pipe: Pipeline, g: mf.Geometry, programs: list[str], sched: sc
     preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
     for i, name in enumerate(programs):
         values = {"state": state_dev, "kv": kv, "timestep": np.float32(sched.timesteps[i]),
-                  "guidance": np.float32(guidance), "row": sched.coeffs[i], "history": hist_dev}
+                  "guidance": np.float32(guidance), "row": sched.coeffs[i], "history": hist_dev,
+                  "cfg_mode": np.float32(modes[i] if modes is not None else 0)}
         state_dev, finite = pipe.bundle.call(name)(*[values[n] for n in pipe.program_inputs(name)])
         if not bool(fetch(finite)):
             raise UserError(f"non-finite values (NaN/inf) appeared in the latents at step {i + 1} of {len(programs)}: "

@@ -29,6 +29,8 @@ Helios (HeliosTransformer3DModel: Wan's blocks, with the clean history patchifie
 
     helios          HeliosPipeline (text, image or video in;        BestWishYsh/Helios-Base
                     chunks of any count: runtime/helios.py)
+    helios-pyramid  HeliosPyramidPipeline (three stages per chunk)  BestWishYsh/Helios-Mid
+    helios-distilled HeliosPyramidPipeline, is_distilled (DMD)      BestWishYsh/Helios-Distilled
 
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
@@ -59,7 +61,9 @@ Conditioning modes (how the image enters the denoising loop):
 - "helios": a chunk of Helios: the DiT sees the chunk's noisy latents and `history`, the clean latents before it
   ([prefix, long, mid, short] frames: the first frame kept, then history_sizes' 16, 2 and 1 latest, zeros where the
   video has none yet), which it patchifies at three scales and attends to at timestep 0; the frame positions are
-  fixed, so every chunk runs the same program. The chunk loop around it is runtime/helios.py.
+  fixed, so every chunk runs the same program. `cfg_mode` picks the guidance: 0 diffusers' CFG, 1 CFG-Zero* (the
+  unconditional prediction scaled by its projection on the conditional one, HeliosPyramidPipeline's
+  is_cfg_zero_star), 2 a zero prediction (its zero-init steps). The chunk loop around it is runtime/helios.py.
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ class Kind:
         """The image conditioning the denoise programs take after (state, kv, timestep, guidance, row), in order."""
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
-                "video_concat": ("condition",), "forcing": FORCING_INPUTS, "helios": ("history",)}[self.conditioning]
+                "video_concat": ("condition",), "forcing": FORCING_INPUTS,
+                "helios": ("history", "cfg_mode")}[self.conditioning]
 
     @property
     def channel_condition(self) -> str:
@@ -252,6 +257,15 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     # latents before it (runtime/helios.py); text, image or video in.
     Kind("helios", "Helios (text, image or video to a video of any length, in chunks)", experts=1, image="optional",
          last_image=False, image_encoder=False, conditioning="helios", fps=24, video="extend", dit="helios"),
+    # HeliosPyramidPipeline: each chunk in three stages, from a quarter of the resolution up (Helios-Mid: CFG-Zero*);
+    # `steps` is per stage (pyramid_num_inference_steps_list sets each).
+    Kind("helios-pyramid", "Helios pyramid (chunks in three stages, low to full resolution)", experts=1,
+         image="optional", last_image=False, image_encoder=False, conditioning="helios", fps=24, steps=10,
+         video="extend", dit="helios"),
+    # Helios-Distilled: the pyramid with HeliosDMDScheduler, a few steps per stage, no guidance.
+    Kind("helios-distilled", "Helios distilled (pyramid stages of a few DMD steps)", experts=1, image="optional",
+         last_image=False, image_encoder=False, conditioning="helios", fps=24, steps=2, guidance=1.0,
+         video="extend", dit="helios"),
 )}
 
 
@@ -310,9 +324,26 @@ def short_text_lengths(max_sequence_length: int) -> tuple[int, ...]:
     return tuple(n for n in text_lengths(max_sequence_length) if n < max_sequence_length)
 
 
+STAGE_SUFFIX = "_stage"  # a Helios pyramid's lower stages' DiT programs: "<program>_stage<k>" (runtime/helios.py)
+
+
+def stage_program(program: str, stage: int, stages: int) -> str:
+    """The DiT program `program` (a denoise program, before any shape suffix) of pyramid stage `stage` of `stages`:
+    the full-resolution (last) stage's is the program itself, a lower stage's "<program>_stage<k>"."""
+    return program if stage == stages - 1 else f"{program}{STAGE_SUFFIX}{stage}"
+
+
+def pyramid_programs(program: str, stages: int) -> tuple[str, ...]:
+    """`program`, and its lower stages' where it is a denoise program of a pyramid of `stages` stages."""
+    if stages <= 1 or denoise_variant(program) is None:
+        return (program,)
+    return tuple(stage_program(program, k, stages) for k in range(stages))
+
+
 def denoise_variant(name: str) -> DenoiseVariant | None:
-    """The variant of denoise program `name` (of any shape), or None if `name` is not a denoise program."""
-    name = base_program(name)
+    """The variant of denoise program `name` (of any shape or pyramid stage), or None if `name` is not a denoise
+    program."""
+    name = re.sub(rf"{STAGE_SUFFIX}\d+$", "", base_program(name))
     for v in DENOISE_VARIANTS.values():
         for e in (0, 1):
             if name == denoise_program(e, v.name):

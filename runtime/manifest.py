@@ -333,6 +333,15 @@ class Chunks:
     max_image_seq_len: int = 4096
     base_shift: float = 0.5
     max_shift: float = 1.15
+    # HeliosPyramidPipeline: each chunk in `stages` stages from 1/2^(stages-1) of the resolution up (the DiT's programs
+    # of the lower stages are "<program>_stage<k>"), its scheduler's stage_range and gamma (the renoising between
+    # stages); `distilled`: HeliosDMDScheduler's steps (x0, renoised towards the stage's start); `cfg_zero_star`:
+    # CFG-Zero* guidance. 1 stage: HeliosPipeline.
+    stages: int = 1
+    stage_range: tuple[float, ...] = (0.0, 1 / 3, 2 / 3, 1.0)
+    gamma: float = 1 / 3
+    distilled: bool = False
+    cfg_zero_star: bool = False
 
 
 @dataclass(frozen=True)
@@ -383,11 +392,14 @@ class Manifest:
         return program + shape_suffix(kinds.shape_scope(program), g, self.geometry)
 
     def stages(self, short_prompts: bool = False) -> tuple[str, ...]:
-        """The programs a bundle of this kind and these shapes holds (kinds.Kind.stages, named for each shape)."""
+        """The programs a bundle of this kind and these shapes holds (kinds.Kind.stages, named for each shape; a
+        Helios pyramid's lower stages' DiT programs too)."""
         kind, L = kinds.get(self.kind), self.geometry.max_sequence_length
-        return tuple(dict.fromkeys(self.program_for(p, g) for g in self.shapes
+        pyramid = self.chunks.stages if self.chunks is not None else 1
+        return tuple(dict.fromkeys(self.program_for(q, g) for g in self.shapes
                                    for p in kind.stages(g.latent_frames, L, short_prompts, self.video_to_video,
-                                                        self.tiny_decoder is not None)))
+                                                        self.tiny_decoder is not None)
+                                   for q in kinds.pyramid_programs(p, pyramid)))
 
     def find_shape(self, width: int | None = None, height: int | None = None, frames: int | None = None,
                    reference_images: int | None = None) -> Geometry | None:

@@ -241,7 +241,7 @@ def from_checkpoint(cfg: dict) -> tuple[str, UniPCConfig, float]:
     ValueError saying why if its scheduler is not one these rows reproduce. A checkpoint whose scheduler is not
     UniPC gets Wan's UniPC configuration (order 2, so dpm++ fits its state too) for `--sampler unipc`."""
     name = cfg.get("_class_name", "UniPCMultistepScheduler")
-    if name == "HeliosScheduler":
+    if name in ("HeliosScheduler", "HeliosDMDScheduler"):
         return helios_scheduler(cfg)
     sampler = SCHEDULER_CLASSES.get(name)
     if sampler is None:
@@ -265,7 +265,12 @@ _HELIOS_FIXED = {"prediction_type": ("flow_prediction",), "use_flow_sigmas": (Tr
 
 def helios_scheduler(cfg: dict) -> tuple[str, UniPCConfig, float]:
     """from_checkpoint for diffusers' HeliosScheduler, as HeliosPipeline runs it (its single-stage schedule,
-    runtime/helios.py): UniPC (bh2, order 2) or Euler by its scheduler_type, on sigmas the run computes."""
+    runtime/helios.py): UniPC (bh2, order 2) or Euler by its scheduler_type, on sigmas the run computes. A
+    HeliosDMDScheduler (the distilled pyramid's, runtime/helios.py's "dmd" rows) keeps the order-2 state, whose
+    second row carries the stage's start."""
+    if cfg.get("_class_name") == "HeliosDMDScheduler":
+        cfg = {k: v for k, v in cfg.items() if k in ("num_train_timesteps", "shift", "prediction_type",
+                                                     "use_flow_sigmas")}
     for key, allowed in _HELIOS_FIXED.items():
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"HeliosScheduler setting {key}={cfg[key]!r} is not supported (expected one of {allowed})")

@@ -136,3 +136,61 @@ def test_helios_bad_input_is_one_line(pipe, helios: tuple[Path, Path], tmp_path:
                    "--out", str(out), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
     assert proc.stderr.strip().splitlines()[-1].startswith("error: sampler dpm++ is not one of Helios'")
+
+
+@pytest.fixture(scope="module")
+def pyramids() -> dict[str, tuple[Path, Path]]:
+    """HeliosPyramidPipeline checkpoints (CFG-Zero*, and the distilled one's DMD) and their 64x64 bundles: the pyramid
+    halves the 8x8 latents twice."""
+    from export import tiny
+
+    variants = ("tiny-helios-pyramid", "tiny-helios-distilled")
+    ckpts = shared("helios-pyramid-checkpoints", lambda root: [tiny.save(v, root / v) for v in variants])
+    bundles = shared("helios-pyramid-bundles", lambda root: [run_module(
+        "export", "--model", str(ckpts / v), "--resolution", "64x64", "--frames", str(WINDOW), "--dtype", "fp32",
+        "--max-sequence-length", "16", "--out", str(root / v), "-q") for v in variants])
+    return {v: (ckpts / v, bundles / v) for v in variants}
+
+
+@pytest.mark.parametrize("variant, steps, guidance, extra", [
+    ("tiny-helios-pyramid", (1, 2, 3), 5.0, {}),  # CFG-Zero*, its first step zero
+    ("tiny-helios-distilled", (2, 1, 2), 1.0, {"is_amplify_first_chunk": True}),  # DMD, the first chunk doubled
+])
+def test_pyramid_matches_diffusers(pyramids, variant: str, steps: tuple[int, ...], guidance: float,
+                                   extra: dict) -> None:
+    """HeliosPyramidPipeline in three chunks: each chunk's noise shrunk to a quarter, three stages each doubling the
+    latents and renoising them with block noise (diffusers' draws given as `noise`), the Mid model's CFG-Zero* and the
+    distilled model's DMD steps: frames within 1e-4 of diffusers'. Other block noise moves them far more, and a run
+    without given draws takes its own from the seed (the same twice, another for another seed)."""
+    import runtime
+    from diffusers import HeliosPyramidPipeline
+
+    ckpt, bundle = pyramids[variant]
+    ref = HeliosPyramidPipeline.from_pretrained(str(ckpt), dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    forward = ref.transformer.forward  # (its output is not contiguous, and CFG-Zero* .view()s it: fails on CPU)
+    ref.transformer.forward = lambda *a, **k: tuple(o.contiguous() for o in forward(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    latents = [torch.randn(1, 16, CHUNK, 8, 8, generator=g) for _ in range(3)]
+    blocks = [[torch.randn(1, 16, CHUNK, 4, 4, generator=g), torch.randn(1, 16, CHUNK, 8, 8, generator=g)]
+              for _ in range(3)]
+    given, draws = iter(latents), iter([b for per in blocks for b in per])
+    ref.prepare_latents = lambda *a, **k: next(given).clone()
+    ref.sample_block_noise = lambda *a, **k: next(draws).clone()
+    expected = ref("a red cat", negative_prompt="blurry", height=64, width=64, num_frames=20, guidance_scale=guidance,
+                   num_latent_frames_per_chunk=CHUNK, max_sequence_length=16, output_type="np",
+                   pyramid_num_inference_steps_list=list(steps), **extra).frames
+    pipe = runtime.load(bundle)
+
+    def ours(noise: object = None, seed: int = 0) -> np.ndarray:
+        return pipe.generate("a red cat", "blurry", num_frames=20, guidance=guidance, seed=seed,
+                             pyramid_num_inference_steps_list=list(steps), latents=[x.numpy() for x in latents],
+                             noise=noise, progress=False, **extra)
+
+    got = ours([[b.numpy() for b in per] for per in blocks])
+    assert got.shape == expected.shape == (1, 25, 64, 64, 3)
+    assert np.abs(got - expected).max() < TOL
+    other = ours([[b.numpy() * 0.5 for b in per] for per in blocks])
+    assert np.abs(other - got).max() > 100 * TOL
+    seeded = ours()
+    assert np.array_equal(seeded, ours()) and np.abs(ours(seed=1) - seeded).max() > 100 * TOL
