@@ -153,6 +153,54 @@ def _forcing_args(p: argparse.ArgumentParser) -> None:
                    help="re-noise the frames carried over to timestep T (diffusers recommends 20; default 0)")
 
 
+def _bool(text: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 10,10,10)") from None
+
+
+# Helios' own settings (runtime/helios.py SETTINGS), by diffusers' names: (flag type, metavar, help)
+HELIOS_FLAGS = {
+    "pyramid_num_inference_steps_list": (_int_list, "N,N,N", "a pyramid bundle's steps per stage (default: --steps "
+                                                              "for each)"),
+    "add_noise_to_image_latents": (_bool, "true|false", "lightly noise the image's latents first (default true)"),
+    "image_noise_sigma_min": (float, "S", "that noise's least sigma (default 0.111)"),
+    "image_noise_sigma_max": (float, "S", "its greatest (default 0.135)"),
+    "add_noise_to_video_latents": (_bool, "true|false", "lightly noise the source video's latents (default true)"),
+    "video_noise_sigma_min": (float, "S", "that noise's least sigma (default 0.111)"),
+    "video_noise_sigma_max": (float, "S", "its greatest (default 0.135)"),
+    "is_cfg_zero_star": (_bool, "true|false", "CFG-Zero* guidance (pyramid bundles; default the bundle's)"),
+    "use_zero_init": (_bool, "true|false", "CFG-Zero*: the first steps predict zero (default true)"),
+    "zero_steps": (int, "N", "CFG-Zero*: how many (default 1: steps 0 and 1)"),
+    "is_amplify_first_chunk": (_bool, "true|false", "distilled bundles: the first chunk at twice the steps"),
+    "is_skip_first_chunk": (_bool, "true|false", "the second chunk's first frame is the video's first frame"),
+}
+
+
+def _helios_args(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("Helios (helios* bundles: --frames is the video's length, in chunks of the bundle's "
+                             "shape; --image, or --video to continue)")
+    for name, (kind, metavar, text) in HELIOS_FLAGS.items():
+        h.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar=metavar, help=text)
+
+
+def helios_args(args: argparse.Namespace, kind: object) -> dict:
+    """Helios' keywords of `generate`: the flags given (refused by other bundles' generate in one line); for a Helios
+    bundle `--frames` is the video's length."""
+    out = {n: getattr(args, n, None) for n in HELIOS_FLAGS if getattr(args, n, None) is not None}
+    if getattr(kind, "helios", False):
+        out.update(num_frames=getattr(args, "frames", None))
+    return out
+
+
 def forcing_args(args: argparse.Namespace, kind: object) -> dict:
     """The diffusion forcing keywords of `generate`: for a DF bundle, the flags and `--frames` as the video's length
     (`--fps` the frame rate the DiT is told too); for others, the flags given (refused by generate in one line)."""
@@ -216,6 +264,7 @@ def parser() -> argparse.ArgumentParser:
     _video_args(g)
     _animate_args(g)
     _forcing_args(g)
+    _helios_args(g)
     _shape_args(g)
     _denoise_args(g)
     _magcache_args(g)
@@ -447,15 +496,16 @@ def run(args: argparse.Namespace) -> int:
 
         raise UserError(f"Wan-Animate bundles run in segments, each of its own steps: use `generate` (with "
                         f"--pose-video and --face-video), not `{args.command}`")
-    if pipe.kind.forcing and args.command in ("encode", "denoise", "calibrate"):
+    if pipe.kind.any_length and args.command in ("encode", "denoise", "calibrate"):
         from .errors import UserError
 
-        raise UserError(f"diffusion forcing bundles run in segments of per-frame steps: use `generate` (--frames for "
-                        f"the length), not `{args.command}`")
+        what = "diffusion forcing bundles run in segments of per-frame steps" if pipe.kind.forcing else \
+            "Helios bundles run in chunks, each on the ones before"
+        raise UserError(f"{what}: use `generate` (--frames for the length), not `{args.command}`")
     g = pipe.geometry
     shape = {"size": getattr(args, "size", None), "frames": getattr(args, "frames", None)}
-    forced = forcing_args(args, pipe.kind) if args.command == "generate" else {}
-    if pipe.kind.forcing and args.command == "generate":  # --frames is the video's length: runtime/forcing.py plans it
+    forced = {**forcing_args(args, pipe.kind), **helios_args(args, pipe.kind)} if args.command == "generate" else {}
+    if pipe.kind.any_length and args.command == "generate":  # --frames is the video's length: forcing/helios plan it
         shape["frames"] = None
     elif args.command != "decode":  # a shape the bundle lacks fails before any work
         from . import kinds

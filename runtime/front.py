@@ -27,10 +27,7 @@ LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = {
                                         "prev_segment_frames")),
     "forcing": ("diffusion forcing models (SkyReels-V2 DF)", ("num_frames", "overlap_history", "ar_step",
                                                               "causal_block_size", "addnoise_condition", "fps")),
-    "helios": ("Helios models", ("num_frames", "add_noise_to_image_latents", "image_noise_sigma_min",
-                                 "image_noise_sigma_max", "add_noise_to_video_latents", "video_noise_sigma_min",
-                                 "video_noise_sigma_max", "is_skip_first_chunk", "pyramid_num_inference_steps_list",
-                                 "use_zero_init", "zero_steps", "is_amplify_first_chunk", "fps")),
+    "helios": ("Helios models", ("num_frames", *helios.SETTINGS, "fps")),
 }
 
 # The engine's keywords a loop does not take: given, they are refused in one line; None, dropped.

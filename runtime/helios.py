@@ -27,6 +27,7 @@ Each chunk's initial noise is `latents[k]` (one per chunk, diffusers' draws for 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ from .noise import seed_noise, segment_noise
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
+# A run's own settings, by diffusers' names (HeliosPipeline / HeliosPyramidPipeline's __call__; the CLI's flags, the
+# API's fields and generate's keywords): the noise on given latents, then the pyramid's.
+SETTINGS = ("add_noise_to_image_latents", "image_noise_sigma_min", "image_noise_sigma_max",
+            "add_noise_to_video_latents", "video_noise_sigma_min", "video_noise_sigma_max", "is_skip_first_chunk",
+            "pyramid_num_inference_steps_list", "is_cfg_zero_star", "use_zero_init", "zero_steps",
+            "is_amplify_first_chunk")
 SAMPLERS = ("unipc", "euler")  # HeliosScheduler's scheduler_type (its "dmd" is the distilled pyramid's)
 SIGMA_FLOOR = 1e-8  # HeliosScheduler clamps sigma_t there (_sigma_to_alpha_sigma_t)
 NOISE_RANGE = (0.111, 0.135)  # diffusers' default image_noise_sigma_min/max and video_noise_sigma_min/max
@@ -235,7 +242,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
              video_noise_sigma_min: float | None = None, video_noise_sigma_max: float | None = None,
              is_skip_first_chunk: bool | None = None, pyramid_num_inference_steps_list: Sequence[int] | None = None,
              use_zero_init: bool | None = None, zero_steps: int | None = None,
-             is_amplify_first_chunk: bool | None = None, progress: bool = True, size: Any = None,
+             is_amplify_first_chunk: bool | None = None, is_cfg_zero_star: bool | None = None,
+             progress: bool = True, size: Any = None,
              frames: int | None = None, on_step: Callable[[int, int], None] | None = None,
              on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full",
              on_frames: Callable[[np.ndarray], None] | None = None, flow_shift: float | None = None,
@@ -247,8 +255,9 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     bundle shape. diffusers' settings by its names: add_noise_to_image_latents (default True),
     image_noise_sigma_min/max (0.111, 0.135), add_noise_to_video_latents and video_noise_sigma_min/max (the same),
     is_skip_first_chunk; a pyramid bundle's pyramid_num_inference_steps_list (default `steps` per stage),
-    use_zero_init and zero_steps (CFG-Zero*'s first steps of zeros: True, 1), is_amplify_first_chunk (the distilled
-    model's first chunk at twice the steps). `latents`: one initial noise per chunk (B, z, C, h, w, at full
+    is_cfg_zero_star (CFG-Zero* guidance; default the bundle's, model_index.json's), use_zero_init and zero_steps
+    (CFG-Zero*'s first steps of zeros: True, 1), is_amplify_first_chunk (the distilled model's first chunk at twice
+    the steps). `latents`: one initial noise per chunk (B, z, C, h, w, at full
     resolution), or the first chunk's; `noise`: a pyramid's renoising draws, per chunk a list of one per stage after
     the first (as diffusers adds them: sample_block_noise's). `on_step(done, total)` after every step of every chunk
     (it may raise to stop the run), `on_preview(rgb)` with each full-resolution step's estimate of the chunk's middle
@@ -259,62 +268,28 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     is decoded as it is made); `fps` is the mp4's only."""
     if magcache is not None:
         raise UserError("MagCache is not for Helios: leave magcache out")
-    if flow_shift is not None:
-        raise InputError("flow_shift is not a Helios setting: its scheduler shifts each chunk's sigmas by the chunk's "
-                         "token count (the bundle's use_dynamic_shifting); leave flow_shift out", "flow_shift")
-    if guidance_2 is not None:
-        raise InputError("guidance_2 is for two-expert models; Helios has one transformer", "guidance_2")
-    chunks = pipe.manifest.chunks
-    if chunks is None:
-        raise UserError("this bundle has no Helios chunk settings (manifest `chunks`): re-export it")
-    pyramid = chunks.stages > 1
-    if not pyramid:
-        for name, value in (("pyramid_num_inference_steps_list", pyramid_num_inference_steps_list), ("noise", noise),
-                            ("use_zero_init", use_zero_init), ("zero_steps", zero_steps),
-                            ("is_amplify_first_chunk", is_amplify_first_chunk)):
-            if value is not None:
-                raise InputError(f"{name} is for a Helios pyramid (HeliosPyramidPipeline); this bundle is "
-                                 f"{pipe.kind.title}", name)
-    elif sigmas is not None:
-        raise InputError("sigmas: a Helios pyramid's stages set their own (give steps or "
-                         "pyramid_num_inference_steps_list)", "sigmas")
-    if chunks.distilled and sampler is not None:
-        raise InputError("a distilled Helios samples with its DMD scheduler: leave sampler out", "sampler")
     pipe._prompts(prompt, "prompt")
     pipe.decoder_programs(decoder)  # a decoder the bundle lacks fails before any work
     if num_frames is None and frames is not None:  # as the CLI's --frames: the video's length
         num_frames, frames = frames, None
     if video is not None and image is not None:
         raise InputError("give an image (image-to-video) or a video to continue, not both", "image")
-    g = pipe.shape(size, frames)
-    window, cf = g.frames, g.latent_frames
-    n = window if num_frames is None else num_frames
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise InputError(f"num_frames must be an integer >= 1, got {n!r}", "num_frames")
-    count = chunk_count(int(n), window)
-    add_image = True if add_noise_to_image_latents is None else bool(add_noise_to_image_latents)
-    add_video = True if add_noise_to_video_latents is None else bool(add_noise_to_video_latents)
-    image_range = _noise_range(*(NOISE_RANGE[i] if v is None else v for i, v in
-                                 enumerate((image_noise_sigma_min, image_noise_sigma_max))), "image")
-    video_range = _noise_range(*(NOISE_RANGE[i] if v is None else v for i, v in
-                                 enumerate((video_noise_sigma_min, video_noise_sigma_max))), "video")
+    run = plan_run(pipe, size, frames, num_frames, seed, steps, guidance, sampler, sigmas, flow_shift, guidance_2,
+                   noise, add_noise_to_image_latents, image_noise_sigma_min, image_noise_sigma_max,
+                   add_noise_to_video_latents, video_noise_sigma_min, video_noise_sigma_max,
+                   pyramid_num_inference_steps_list, use_zero_init, zero_steps, is_amplify_first_chunk,
+                   is_cfg_zero_star)
+    g, count, s, chunks, runs, total = run.shape, run.count, run.settings, run.chunks, run.runs, run.total
+    window = g.frames
     source = None if video is None else video_input.load_frames(video, "video")
     if source is not None and len(source) < window:
         raise InputError(f"the video has {len(source)} frame{'s' * (len(source) != 1)}, fewer than one chunk of "
                          f"{window}: Helios continues a video from its last whole chunks of {window} frames",
                          "video")
     pil = None if image is None else images.load_image(image, "image")
-    s = pipe.settings(seed, steps, guidance, None, None, None if chunks.distilled else sampler, sigmas)
-    if s.sampler not in SAMPLERS:
-        raise InputError(f"sampler {s.sampler} is not one of Helios' ({', '.join(SAMPLERS)})", "sampler")
-    stage_steps = _stage_steps(pyramid_num_inference_steps_list, s.steps, chunks.stages)
-    zero = _zero_init(use_zero_init, zero_steps)
-    amplify = bool(is_amplify_first_chunk) and chunks.distilled  # (diffusers: a distilled pipeline's only)
-    runs = [_chunk_run(pipe, g, chunks, s, stage_steps, amplify and k == 0, zero) for k in range(min(count, 2))]
-    runs += [runs[-1]] * (count - len(runs))
     initial = segment_noise(latents, count, g.latent_shape)
     renoise = _renoise_draws(noise, count, g, chunks.stages)
-    total = sum(len(r.programs) for r in runs)
+    add_image, add_video, image_range, video_range = run.add_image, run.add_video, run.image_range, run.video_range
 
     pipe.start_loading(pil is not None or source is not None, s.seed, s.steps, s.guidance, None, None, None, prompt,
                        negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
@@ -371,6 +346,84 @@ class ChunkRun:
     rows: list[int]
     modes: list[int]
     plans: list[scheduler.Plan]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a Helios run makes, checked before any work: the chunk shape, the chunks, the settings, each chunk's steps
+    and the total (what progress counts, and a server's step limit)."""
+
+    shape: mf.Geometry
+    count: int  # chunks
+    num_frames: int  # the frames returned
+    settings: Any  # runtime/settings.py DenoiseSettings
+    chunks: mf.Chunks  # the bundle's, with the run's is_cfg_zero_star
+    runs: list[ChunkRun]
+    add_image: bool
+    add_video: bool
+    image_range: tuple[float, float]
+    video_range: tuple[float, float]
+
+    @property
+    def total(self) -> int:
+        return sum(len(r.programs) for r in self.runs)
+
+
+def plan_run(pipe: Pipeline, size: Any = None, frames: int | None = None, num_frames: Any = None, seed: int = 0,
+             steps: int | None = None, guidance: float | None = None, sampler: str | None = None,
+             sigmas: Sequence[float] | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
+             noise: Any = None, add_noise_to_image_latents: Any = None, image_noise_sigma_min: Any = None,
+             image_noise_sigma_max: Any = None, add_noise_to_video_latents: Any = None,
+             video_noise_sigma_min: Any = None, video_noise_sigma_max: Any = None,
+             pyramid_num_inference_steps_list: Any = None, use_zero_init: Any = None, zero_steps: Any = None,
+             is_amplify_first_chunk: Any = None, is_cfg_zero_star: Any = None, is_skip_first_chunk: Any = None
+             ) -> Run:
+    """The run `generate` makes with these settings (as it takes them), or InputError naming the setting: what a
+    server checks a request with before queueing it (is_skip_first_chunk changes no step: taken and not read)."""
+    if flow_shift is not None:
+        raise InputError("flow_shift is not a Helios setting: its scheduler shifts each chunk's sigmas by the chunk's "
+                         "token count (the bundle's use_dynamic_shifting); leave flow_shift out", "flow_shift")
+    if guidance_2 is not None:
+        raise InputError("guidance_2 is for two-expert models; Helios has one transformer", "guidance_2")
+    chunks = pipe.manifest.chunks
+    if chunks is None:
+        raise UserError("this bundle has no Helios chunk settings (manifest `chunks`): re-export it")
+    if chunks.stages == 1:
+        for name, value in (("pyramid_num_inference_steps_list", pyramid_num_inference_steps_list), ("noise", noise),
+                            ("use_zero_init", use_zero_init), ("zero_steps", zero_steps),
+                            ("is_amplify_first_chunk", is_amplify_first_chunk),
+                            ("is_cfg_zero_star", is_cfg_zero_star)):
+            if value is not None:
+                raise InputError(f"{name} is for a Helios pyramid (HeliosPyramidPipeline); this bundle is "
+                                 f"{pipe.kind.title}", name)
+    elif sigmas is not None:
+        raise InputError("sigmas: a Helios pyramid's stages set their own (give steps or "
+                         "pyramid_num_inference_steps_list)", "sigmas")
+    if chunks.distilled and sampler is not None:
+        raise InputError("a distilled Helios samples with its DMD scheduler: leave sampler out", "sampler")
+    g = pipe.shape(size, frames)
+    n = g.frames if num_frames is None else num_frames
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise InputError(f"num_frames must be an integer >= 1, got {n!r}", "num_frames")
+    count = chunk_count(int(n), g.frames)
+    image_range = _noise_range(*(NOISE_RANGE[i] if v is None else v for i, v in
+                                 enumerate((image_noise_sigma_min, image_noise_sigma_max))), "image")
+    video_range = _noise_range(*(NOISE_RANGE[i] if v is None else v for i, v in
+                                 enumerate((video_noise_sigma_min, video_noise_sigma_max))), "video")
+    s = pipe.settings(seed, steps, guidance, None, None, None if chunks.distilled else sampler, sigmas)
+    if s.sampler not in SAMPLERS:
+        raise InputError(f"sampler {s.sampler} is not one of Helios' ({', '.join(SAMPLERS)})", "sampler")
+    if is_cfg_zero_star is not None:  # the pipeline's config in diffusers; a run's setting here
+        chunks = dataclasses.replace(chunks, cfg_zero_star=bool(is_cfg_zero_star))
+    stage_steps = _stage_steps(pyramid_num_inference_steps_list, s.steps, chunks.stages)
+    zero = _zero_init(use_zero_init, zero_steps)
+    amplify = bool(is_amplify_first_chunk) and chunks.distilled  # (diffusers: a distilled pipeline's only)
+    runs = [_chunk_run(pipe, g, chunks, s, stage_steps, amplify and k == 0, zero) for k in range(min(count, 2))]
+    runs += [runs[-1]] * (count - len(runs))
+    return Run(g, count, output_frames(count, g.frames, g.temporal_scale), s, chunks, runs,
+               True if add_noise_to_image_latents is None else bool(add_noise_to_image_latents),
+               True if add_noise_to_video_latents is None else bool(add_noise_to_video_latents),
+               image_range, video_range)
 
 
 def _stage_steps(given: Sequence[int] | None, steps: int, stages: int) -> list[int]:

@@ -154,6 +154,12 @@ class Kind:
         return self.conditioning == "helios"
 
     @property
+    def any_length(self) -> bool:
+        """One bundle shape makes a video of any length, in segments or chunks of it (diffusion forcing, Helios): a
+        run's frame count (a job's seconds) is the video's, not a shape's."""
+        return self.forcing or self.helios
+
+    @property
     def takes_last_image(self) -> bool:
         """Takes a last image: FLF2V kinds need one; diffusion forcing pins one as the video's last latent frame."""
         return self.last_image or self.forcing

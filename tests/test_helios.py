@@ -194,3 +194,45 @@ def test_pyramid_matches_diffusers(pyramids, variant: str, steps: tuple[int, ...
     assert np.abs(other - got).max() > 100 * TOL
     seeded = ours()
     assert np.array_equal(seeded, ours()) and np.abs(ours(seed=1) - seeded).max() > 100 * TOL
+
+
+def test_a_helios_job_streams_each_chunk_as_it_is_made(pipe, tmp_path: Path) -> None:
+    """The API on a Helios bundle: `seconds` of any length (0.9 s at 24 fps asks for 25 frames: three chunks of 9,
+    trimmed to 25); its first chunk is served on the job's live stream while the job is in_progress; the ended
+    playlist's three segments are the mp4's frames. Helios' settings by diffusers' names, checked before queueing:
+    a pyramid's on a one-stage bundle, a sampler its scheduler lacks, a boolean that is not one: 400 naming the
+    field."""
+    from runtime import hls
+
+    from .test_stream import Gate, _app, _run_in_thread, assert_same_video, decode_ts, stream_frames
+
+    client, state = _app(tmp_path, pipe)
+    for body, field in (({"pyramid_num_inference_steps_list": [1, 1, 1]}, "pyramid_num_inference_steps_list"),
+                        ({"sampler": "dpm++"}, "sampler"), ({"add_noise_to_image_latents": "yes"},
+                                                            "add_noise_to_image_latents"),
+                        ({"seconds": "3"}, "seconds")):  # past the server's max_seconds (2)
+        bad = client.post("/v1/videos", json={"prompt": "a cat", **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+    model = client.get("/v1/models").json()["data"][0]
+    assert model["helios"] and model["pyramid"] == 1 and model["max_seconds"] == 2.0
+    created = client.post("/v1/videos", json={"prompt": "a red cat", "seconds": "0.9", "num_inference_steps": 2,
+                                              "add_noise_to_image_latents": False, "seed": 3})
+    assert created.status_code == 200, created.text
+    vid = created.json()["id"]
+    assert created.json()["seconds"] == f"{25 / 24:g}"
+    gate = Gate(state.store.storage)
+    thread = _run_in_thread(state, state.store.claim())
+    assert gate.written.wait(120)
+    try:
+        assert client.get(f"/v1/videos/{vid}").json()["status"] == "in_progress"
+        playlist = hls.Playlist.parse(client.get(f"/v1/videos/{vid}/stream.m3u8").text)
+        assert playlist.durations == pytest.approx([9 / 24]) and not playlist.ended
+        assert decode_ts(client.get(f"/v1/videos/{vid}/stream/0.ts").content).shape == (9, H, W, 3)
+    finally:
+        gate.go.set()
+        thread.join(120)
+    assert client.get(f"/v1/videos/{vid}").json()["status"] == "completed"
+    playlist, frames = stream_frames(client.get(f"/v1/videos/{vid}/stream.m3u8").text,
+                                     lambda name: client.get(f"/v1/videos/{vid}/{name}").content)
+    assert playlist.ended and playlist.durations == pytest.approx([9 / 24, 9 / 24, 7 / 24], abs=1e-5)
+    assert_same_video(frames, decode_ts(client.get(f"/v1/videos/{vid}/content").content))

@@ -164,8 +164,8 @@ class Gate:
         self.put, self.written, self.go = storage.put, threading.Event(), threading.Event()
         storage.put = self
 
-    def __call__(self, key: str, data: bytes) -> None:
-        self.put(key, data)
+    def __call__(self, key: str, data: bytes, **kwargs: object) -> None:
+        self.put(key, data, **kwargs)
         if key.endswith(".m3u8") and b"stream/0.ts" in data and not self.written.is_set():
             self.written.set()
             assert self.go.wait(60)

@@ -116,8 +116,12 @@ class Model(_Strict):
                                       "background_video, mask_video); the video is as long as the pose video")
     forcing: bool = Field(description="diffusion forcing (SkyReels-V2 DF): `seconds` of any duration up to "
                                       "max_seconds, made in overlapping segments; extends videos")
-    max_seconds: float | None = Field(None, description="diffusion forcing: the longest video a job may ask for "
-                                                        "(serve --max-seconds); absent for other kinds")
+    helios: bool = Field(description="Helios: `seconds` of any duration up to max_seconds, made in chunks of the "
+                                     "size's shape, each on the ones before")
+    pyramid: int | None = Field(None, description="Helios: the stages of its pyramid (1: HeliosPipeline); absent "
+                                                  "for other kinds")
+    max_seconds: float | None = Field(None, description="diffusion forcing and Helios: the longest video a job may "
+                                                        "ask for (serve --max-seconds); absent for other kinds")
     reference_images: list[int] = Field(description="the counts of reference images it serves (VACE; [0] else)")
     video_to_video: bool
     experts: int
@@ -198,7 +202,7 @@ def derived_request(offer: Offer, op: str) -> dict[str, Any]:
         props = {name: BY_NAME[name].schema(offer, form) for name in names}
         if "strength" in props:
             props["strength"]["default"] = DEFAULT_STRENGTH
-        if "seconds" in props and offer.kind.forcing:  # the new part's: any duration (diffusion forcing)
+        if "seconds" in props and offer.kind.any_length:  # the new part's: any duration (diffusion forcing, Helios)
             props["seconds"]["pattern"] = SECONDS
         elif "seconds" in props:  # the new part's: a duration of the size (the source's, unless `size` says)
             props["seconds"]["enum"] = list(dict.fromkeys(s for size in offer.sizes for s in offer.durations(size)))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import animate, forcing, kinds, samplers
+from .. import animate, forcing, helios, kinds, samplers
 from ..errors import UserError
 from ..manifest import Defaults, Manifest
 from ..settings import MAX_SEED
@@ -71,6 +71,7 @@ class Offer:
     max_loras: int = lora_api.MAX_LORAS  # the most adapters one request may name (--max-loras)
     max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing: the longest video a job may ask for
     tiny_decoder: bool = False  # the bundle has a tiny decoder (export --tiny-decoder): `decoder` is offered
+    pyramid: int = 1  # a Helios pyramid's stages (manifest.Chunks.stages); 1 for every other bundle
 
     @classmethod
     def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS, adapters: tuple[Any, ...] = (),
@@ -80,7 +81,8 @@ class Offer:
                    kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
                    video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts),
                    loras=tuple(adapters), max_loras=max_loras, max_seconds=max_seconds,
-                   tiny_decoder=manifest.tiny_decoder is not None)
+                   tiny_decoder=manifest.tiny_decoder is not None,
+                   pyramid=manifest.chunks.stages if manifest.chunks is not None else 1)
 
     @property
     def video_reference(self) -> bool:
@@ -123,10 +125,11 @@ Bound = float | Callable[[Offer], float] | None
 
 @dataclass(frozen=True)
 class Field:
-    """One field of the create request. `type` is "string", "integer", "number", "numbers" (a JSON array of numbers,
-    in a form their text joined by commas), "file" (a file part in a multipart form, a base64 data URL in JSON;
-    `accepts` says what it holds, `repeat` how many times it may be sent) or "loras" (a list of LoRA entries,
-    runtime/serve/loras.py)."""
+    """One field of the create request. `type` is "string", "integer", "number", "boolean" (in a form "true" or
+    "false"), "numbers" (a JSON array of numbers, in a form their text joined by commas), "integers" (a JSON array of
+    `max_items` integers in the bounds, in a form joined by commas, kept in order), "file" (a file part in a multipart
+    form, a base64 data URL in JSON; `accepts` says what it holds, `repeat` how many times it may be sent) or "loras"
+    (a list of LoRA entries, runtime/serve/loras.py)."""
 
     name: str
     type: str
@@ -167,6 +170,18 @@ class Field:
         if self.type == "file":
             return file_schema(self.accepts(offer), self.description, form,
                                None if self.repeat is None else self.repeat(offer))
+        if self.type == "boolean":
+            if form:
+                return {"type": "string", "enum": ["true", "false"], "description": self.description}
+            return {"type": "boolean", "description": self.description}
+        if self.type == "integers":  # exactly max_items of them; in a form, comma-separated
+            lo, hi = self.bounds(offer)
+            n = _bound(self.max_items, offer)
+            if form:
+                return {"type": "string", "pattern": rf"^[0-9]{{1,6}}(,[0-9]{{1,6}}){{{n - 1}}}$",
+                        "description": self.description}
+            return {"type": "array", "items": {"type": "integer", "minimum": lo, "maximum": hi}, "minItems": n,
+                    "maxItems": n, "description": self.description}
         if self.type == "numbers":  # in a form, the numbers as text, comma-separated
             lo, hi = self.bounds(offer)
             if form:
@@ -203,6 +218,22 @@ class Field:
                 raise ApiError(400, self.mismatch.format(value=value, choices=", ".join(map(str, self.enum(offer)))),
                                self.name)
             return number
+        if self.type == "boolean":
+            if form and value in ("true", "false"):
+                return value == "true"
+            if not form and isinstance(value, bool):
+                return value
+            raise ApiError(400, f"{self.name} must be true or false, got {value!r}", self.name)
+        if self.type == "integers":
+            lo, hi = self.bounds(offer)
+            n = _bound(self.max_items, offer)
+            items = value.split(",") if form and isinstance(value, str) else value
+            numbers = [_number(v, True, form) for v in items] if isinstance(items, list) else None
+            if numbers is None or len(numbers) != n or any(v is None or isinstance(v, bool) or v < lo or v > hi
+                                                           for v in numbers):
+                what = "comma-separated integers" if form else "a list of integers"
+                raise ApiError(400, f"{self.name} must be {n} {what} in {lo}..{hi}, got {value!r}", self.name)
+            return [int(v) for v in numbers]
         if self.type == "numbers":  # a form's text: comma-separated decimals (_SIGMAS_TEXT)
             text = sigmas_text(_bound(self.max_items, offer))
             items = [float(v) for v in value.split(",")] \
@@ -290,6 +321,44 @@ def _two_experts(offer: Offer) -> bool:
     return offer.kind.experts > 1
 
 
+def _helios(name: str, type_: str, description: str, pyramid: bool = False, **kw: Any) -> Field:
+    """A Helios setting by diffusers' name (runtime/helios.py takes it as is); `pyramid`: HeliosPyramidPipeline's."""
+    def offered(o: Offer) -> bool:
+        return o.kind.helios and (o.pyramid > 1 or not pyramid)
+
+    what = "a Helios pyramid (HeliosPyramidPipeline)" if pyramid else "Helios models"
+    return Field(name, type_, "Helios: " + description, param=name, offered=offered,
+                 refusal=lambda o: f"{name} is for {what}; this bundle is {o.kind.title}", **kw)
+
+
+HELIOS_FIELDS = (  # helios.SETTINGS, each a field
+    _helios("add_noise_to_image_latents", "boolean", "lightly noise the first frame's latents first (default true).",
+            default=lambda o: True),
+    _helios("image_noise_sigma_min", "number", "that noise's least sigma.", minimum=0, maximum=1,
+            default=lambda o: 0.111),
+    _helios("image_noise_sigma_max", "number", "that noise's greatest sigma.", minimum=0, maximum=1,
+            default=lambda o: 0.135),
+    _helios("add_noise_to_video_latents", "boolean", "lightly noise the continued video's latents (default true).",
+            default=lambda o: True),
+    _helios("video_noise_sigma_min", "number", "that noise's least sigma.", minimum=0, maximum=1,
+            default=lambda o: 0.111),
+    _helios("video_noise_sigma_max", "number", "that noise's greatest sigma.", minimum=0, maximum=1,
+            default=lambda o: 0.135),
+    _helios("is_skip_first_chunk", "boolean", "the second chunk's first frame becomes the video's first frame.",
+            default=lambda o: False),
+    _helios("pyramid_num_inference_steps_list", "integers", "the steps of each pyramid stage (default "
+            "num_inference_steps for each); they count against the server's step limit per chunk.", pyramid=True,
+            minimum=1, maximum=lambda o: o.max_steps, max_items=lambda o: o.pyramid),
+    _helios("is_cfg_zero_star", "boolean", "CFG-Zero* guidance (default: the bundle's).", pyramid=True),
+    _helios("use_zero_init", "boolean", "CFG-Zero*: the first steps predict zero (default true).", pyramid=True,
+            default=lambda o: True),
+    _helios("zero_steps", "integer", "CFG-Zero*: the steps 0 .. zero_steps predict zero (default 1).", pyramid=True,
+            minimum=0, maximum=lambda o: o.max_steps, default=lambda o: 1),
+    _helios("is_amplify_first_chunk", "boolean", "a distilled model's first chunk at twice the steps.", pyramid=True,
+            default=lambda o: False),
+)
+
+
 FIELDS: tuple[Field, ...] = (
     Field("prompt", "string", "What the video shows.", param="prompt", required=True,
           max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK, mismatch="prompt is required (a non-empty string)"),
@@ -304,7 +373,8 @@ FIELDS: tuple[Field, ...] = (
     Field("seconds", "string", "The duration, one of those GET /v1/models lists for the size (frames at the "
           "bundle's frame rate); left out, the default shape's frame count. `fps` sets the rate the mp4 plays at, "
           "not the frame count. Diffusion forcing bundles make any duration up to the server's max_seconds (GET "
-          "/v1/models), in overlapping segments of the size's longest shape.", offered=lambda o: not o.kind.animate,
+          "/v1/models), in overlapping segments of the size's longest shape; Helios bundles too, in chunks of the "
+          "size's shape (rounded up to whole chunks).", offered=lambda o: not o.kind.animate,
           refusal=lambda o: "a Wan-Animate video is as long as its pose video: leave seconds out"),
     Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), the "
           "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles, and "
@@ -362,6 +432,7 @@ FIELDS: tuple[Field, ...] = (
           "this timestep (20 is diffusers' recommendation).", param="addnoise_condition", minimum=0, maximum=999,
           default=lambda o: 0, offered=lambda o: o.kind.forcing,
           refusal=lambda o: f"addnoise_condition is for diffusion forcing models; this bundle is {o.kind.title}"),
+    *HELIOS_FIELDS,
     Field("conditioning_scale", "number", "VACE: the scale of the VACE branch's hints.", param="conditioning_scale",
           minimum=0, maximum=100, default=lambda o: 1.0, offered=lambda o: o.kind.vace,
           refusal=lambda o: f"conditioning_scale is for VACE models; this bundle is {o.kind.title}"),
@@ -419,7 +490,7 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
     # The rules between fields, as alternatives (anyOf, all of them holding: allOf) rather than not / if-then-else,
     # which fuzzers' generators work around by validating what they drew (schemathesis cannot validate file parts).
     rules = [NOT_BOTH_STEP_COUNTS]  # sigmas set the step count: a request gives one or the other
-    if offer.kind.forcing:  # any duration up to the server's limit, checked against the segment plan at once
+    if offer.kind.any_length:  # any duration up to the server's limit, checked against the run's plan at once
         schema["properties"]["seconds"]["pattern"] = SECONDS
     elif "seconds" in schema["properties"]:
         rules.append(_seconds_schema(offer, schema["properties"]["seconds"]))
@@ -496,7 +567,7 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
     params.update(negative_prompt=values.get("negative_prompt", ""), seed=values.get("seed", 0), steps=steps,
                   size=values.get("size", offer.sizes[0]), fps=values.get("fps", offer.defaults.fps))
     media = _check_media(body.files, offer)
-    if offer.kind.forcing:
+    if offer.kind.any_length:
         params["frames"] = _forcing_frames(values.get("seconds"), offer)
     else:
         params["frames"] = _frames(params["size"], values.get("seconds"), offer, media.get("video_frames"))
@@ -561,6 +632,18 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
         if rows > offer.max_steps:
             raise ApiError(400, f"{len(lay.plan.segments)} segments of {s.steps} steps are {rows} DiT steps, more than "
                                 f"this server runs ({offer.max_steps}): fewer seconds or fewer steps", "seconds")
+    if offer.kind.helios:  # the chunks this length makes, and their steps
+        try:
+            run = helios.plan_run(pipe, params["size"], None, params["frames"], params["seed"], params["steps"],
+                                  params["guidance"], params["sampler"], params["sigmas"], params["flow_shift"],
+                                  **{f.name: params.get(f.name) for f in HELIOS_FIELDS})
+        except forcing.InputError as e:
+            field = "seconds" if e.field == "num_frames" else e.field
+            raise ApiError(400, str(e).replace("num_frames", "seconds"), field) from None
+        if run.total > offer.max_steps:
+            raise ApiError(400, f"{run.count} chunks of {run.total // run.count} steps are {run.total} DiT steps, more "
+                                f"than this server runs ({offer.max_steps}): fewer seconds or fewer steps", "seconds")
+        params["seconds"] = seconds_of(run.num_frames, params["fps"])
     return params
 
 

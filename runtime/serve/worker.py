@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import hls
+from .. import helios, hls
 from ..errors import UserError
 from ..files import disk_full
 from . import derive, thumbnails
@@ -97,6 +97,18 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
                                decoder=params.get("decoder") or "full", on_frames=live)[0]
         if source is not None:  # the source, then the new part after the frames it re-decodes (those shared)
             frames = derive.forcing_joined(params, len(source), frames)
+        stage_done("decode")
+        if video is not None:
+            write_video(frames, video, fps=params["fps"])
+        return frames
+    if pipe.kind.helios:  # any length, in chunks: runtime/helios.py
+        check()
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
+                               num_frames=params["frames"], seed=s.seed, steps=s.steps, guidance=s.guidance,
+                               sampler=params.get("sampler"), sigmas=s.sigmas, progress=False,
+                               size=params.get("size"), on_step=steps_done, on_preview=on_preview,
+                               decoder=params.get("decoder") or "full", on_frames=on_frames,
+                               **{name: params.get(name) for name in helios.SETTINGS})[0]
         stage_done("decode")
         if video is not None:
             write_video(frames, video, fps=params["fps"])

@@ -80,11 +80,17 @@ function showModel(card) {
   $("image-label").textContent = card.animate ? "Character image" : "Image (first frame)";
   $("animate-fields").hidden = !card.animate;
   $("pose-video").required = $("face-video").required = Boolean(card.animate);
-  $("duration-field").hidden = Boolean(card.animate || card.forcing); // as long as the pose video; any length
+  $("duration-field").hidden = Boolean(card.animate || card.forcing || card.helios); // pose video's; any length
   $("forcing-fields").hidden = !card.forcing;
-  if (card.forcing) {
-    $("df-seconds").max = String(card.max_seconds);
-    $("df-seconds").placeholder = model.shapes[0].seconds;
+  $("helios-fields").hidden = !card.helios;
+  $("pyramid-field").hidden = !(card.helios && card.pyramid > 1);
+  for (const [on, id] of [[card.forcing, "df-seconds"], [card.helios, "helios-seconds"]]) {
+    if (!on) continue;
+    $(id).max = String(card.max_seconds);
+    $(id).placeholder = model.shapes[0].seconds;
+  }
+  if (card.helios && card.pyramid > 1) {
+    $("pyramid-steps").placeholder = Array(card.pyramid).fill(card.defaults.steps).join(",");
   }
   $("image").required = card.image === "required";
   $("last-image-field").hidden = !card.last_image;
@@ -174,6 +180,12 @@ async function generate(event) {
     fields.prev_segment_frames = Number($("prev-frames").value);
   } else if (model.forcing) {
     if ($("df-seconds").value !== "") fields.seconds = $("df-seconds").value;
+  } else if (model.helios) {
+    if ($("helios-seconds").value !== "") fields.seconds = $("helios-seconds").value;
+    const stages = $("pyramid-steps").value.replace(/\s+/g, "");
+    if (model.pyramid > 1 && stages !== "") {
+      fields.pyramid_num_inference_steps_list = stages.split(",").map(Number);
+    }
   } else {
     fields.seconds = $("duration").value;
   }
@@ -256,8 +268,9 @@ function updateItem(li, job) {
   // from its first step on, so it is there once progress shows.
   if (job.status === "in_progress" && job.progress >= 1) showPreview(li, job);
   else if (job.status !== "in_progress") dropPreview(li);
-  // A segment kind's running job plays as it is made: each segment's frames join its live stream once decoded.
-  if (job.status === "in_progress" && model && (model.forcing || model.animate)) showLive(li, job);
+  // A segment kind's running job plays as it is made: each segment's (Helios: chunk's) frames join its live stream
+  // once decoded.
+  if (job.status === "in_progress" && model && (model.forcing || model.animate || model.helios)) showLive(li, job);
   else if (job.status !== "in_progress") dropLive(li);
   if (job.status === "completed" && !li.querySelector("video:not(.live)")) showVideo(li, job);
 }
