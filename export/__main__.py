@@ -109,10 +109,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", help="480p, 720p (the model family's native size, e.g. 1280x704 for TI2V-5B) or "
                                         "WIDTHxHEIGHT (multiples of the VAE's spatial scale x patch: 16, TI2V 32); "
                                         "a comma-separated list for several (e.g. 1280x720,720x1280)")
-    p.add_argument("--frames", default="81", help="video frames, 4k+1 (default 81); a comma-separated list for "
-                                                   "several. The bundle makes every resolution x frames pair (its "
-                                                   "shapes; the first of each list is the default) from one copy "
-                                                   "of the weights")
+    p.add_argument("--frames", default=None, help="video frames, 4k+1 (default 81; Helios: 33, one chunk); a "
+                                                   "comma-separated list for several. The bundle makes every "
+                                                   "resolution x frames pair (its shapes; the first of each list is "
+                                                   "the default) from one copy of the weights")
     p.add_argument("--reference-images", default=None, metavar="N,N,...",
                    help="VACE models: the counts of reference images the bundle serves, each a set of DiT programs "
                         "(a reference image is one more latent frame), the first the default (default 0,1)")
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         if needed:
             raise UserError(f"{' and '.join(needed)} {'is' if len(needed) == 1 else 'are'} required to export (or use "
                             "--attach-weights BUNDLE --weights SOURCE)")
-        parse_frames(args.frames)  # a bad count fails before the model is read
+        if args.frames is not None:
+            parse_frames(args.frames)  # a bad count fails before the model is read
         tiny = _tiny_decoder(args)  # as does a tiny decoder file that is not one
         run_defaults = parse_defaults(args.defaults)
         merges = _merges(args)
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             src = load(args.model, args.dtype, args.revision, weights=not args.no_weights)  # configs only, so far
             if args.vae is not None:
                 src = with_vae_file(src, args.vae)
-            shapes = parse_shapes(args.resolution, args.frames, size_multiple(src))
+            shapes = parse_shapes(args.resolution, args.frames or str(src.model.frames), size_multiple(src))
             references = parse_reference_images(args.reference_images, src.model)
             if args.video_to_video:
                 if src.model.conditioning != "none" or src.model.name == "ti2v":

@@ -158,3 +158,38 @@ ARCHITECTURES.update({
                                          _transformer(12, 8960, 30, **_I2V_1_3B, pos_embed_seq_len=2 * 257),
                                          flow_shift=5.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR),
 })
+
+# Helios (BestWishYsh/Helios-Base, -Mid, -Distilled): HeliosTransformer3DModel's defaults are the released 14B's (Wan
+# 2.1 14B's widths, RoPE over 44 + 42 + 42 of the head's 128 channels, the history's three patch embeddings). Base is a
+# HeliosPipeline, Mid and Distilled HeliosPyramidPipelines (is_distilled with HeliosDMDScheduler), as their
+# model_index.json say; the scheduler settings are diffusers' defaults, with the dynamic shift (runtime/helios.py).
+# Attaching the real weights checks every tensor's name and shape (export/attach.py).
+_HELIOS: dict[str, Any] = dict(
+    patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    eps=1e-6, added_kv_proj_dim=None, rope_dim=[44, 42, 42], rope_theta=10000.0, guidance_cross_attn=True,
+    zero_history_timestep=True, has_multi_term_memory_patch=True, is_amplify_history=False,
+    history_scale_mode="per_head",
+)
+_HELIOS_UNIPC: dict[str, Any] = dict(
+    _class_name="HeliosScheduler", num_train_timesteps=1000, shift=1.0, stage_range=[0, 1 / 3, 2 / 3, 1],
+    gamma=1 / 3, thresholding=False, prediction_type="flow_prediction", solver_order=2, predict_x0=True,
+    solver_type="bh2", lower_order_final=True, disable_corrector=[], solver_p=None, use_flow_sigmas=True,
+    scheduler_type="unipc", use_dynamic_shifting=True, time_shift_type="exponential",
+)
+
+
+def _helios(pipeline: str, hub_id: str, scheduler: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return dict(pipeline=pipeline, hub_id=hub_id, transformer=_HELIOS, vae={}, text_encoder=_UMT5_XXL,
+                scheduler=scheduler, options=options)
+
+
+ARCHITECTURES.update({
+    "helios-base": _helios("HeliosPipeline", "BestWishYsh/Helios-Base", {**_HELIOS_UNIPC, "stages": 1}),
+    "helios-mid": _helios("HeliosPyramidPipeline", "BestWishYsh/Helios-Mid", {**_HELIOS_UNIPC, "stages": 3},
+                          is_cfg_zero_star=True),
+    "helios-distilled": _helios("HeliosPyramidPipeline", "BestWishYsh/Helios-Distilled", dict(
+        _class_name="HeliosDMDScheduler", num_train_timesteps=1000, shift=1.0, stages=3,
+        stage_range=[0, 1 / 3, 2 / 3, 1], gamma=1 / 3, prediction_type="flow_prediction", use_flow_sigmas=True,
+        use_dynamic_shifting=True, time_shift_type="linear"), is_distilled=True),
+})

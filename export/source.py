@@ -234,9 +234,13 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False,
                      boundary_ratio=arch.get("boundary_ratio"),
                      image_encoder_config=arch.get("image_encoder"), image_processor_config=arch.get("image_processor"))
+        if PIPELINES[arch["pipeline"]] == "helios":
+            src.pipeline_options = {"pyramid": arch["pipeline"] == "HeliosPyramidPipeline",
+                                    **{k: bool(arch["options"].get(k)) for k in ("is_distilled", "is_cfg_zero_star")}}
         src.model_kind = detect_kind(arch["pipeline"], arch.get("boundary_ratio") is not None,
                                      bool(arch.get("expand_timesteps")), src.transformer_config,
-                                     src.image_encoder_config is not None, model)
+                                     src.image_encoder_config is not None, model, src.pipeline_options,
+                                     src.scheduler_config)
         check_consistent(src)
         return src
     if model in tiny.VARIANTS:

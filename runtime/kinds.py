@@ -96,6 +96,7 @@ class Kind:
     #                      "extend": a video to continue (diffusion forcing)
     dit: str = "wan"  # "wan" | "skyreels" | "helios": the DiT's diffusers class family (export/source.py
     #                   transformer_class)
+    frames: int = 81  # the export's default --frames (Helios: one chunk, 9 latent frames)
 
     @property
     def vae_encode(self) -> str:
@@ -262,16 +263,17 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     # Helios (PKU-YuanGroup; diffusers' HeliosPipeline): chunks of a video of any length, each conditioned on the clean
     # latents before it (runtime/helios.py); text, image or video in.
     Kind("helios", "Helios (text, image or video to a video of any length, in chunks)", experts=1, image="optional",
-         last_image=False, image_encoder=False, conditioning="helios", fps=24, video="extend", dit="helios"),
+         last_image=False, image_encoder=False, conditioning="helios", fps=24, video="extend", dit="helios",
+         frames=33),
     # HeliosPyramidPipeline: each chunk in three stages, from a quarter of the resolution up (Helios-Mid: CFG-Zero*);
     # `steps` is per stage (pyramid_num_inference_steps_list sets each).
     Kind("helios-pyramid", "Helios pyramid (chunks in three stages, low to full resolution)", experts=1,
          image="optional", last_image=False, image_encoder=False, conditioning="helios", fps=24, steps=10,
-         video="extend", dit="helios"),
+         video="extend", dit="helios", frames=33),
     # Helios-Distilled: the pyramid with HeliosDMDScheduler, a few steps per stage, no guidance.
     Kind("helios-distilled", "Helios distilled (pyramid stages of a few DMD steps)", experts=1, image="optional",
          last_image=False, image_encoder=False, conditioning="helios", fps=24, steps=2, guidance=1.0,
-         video="extend", dit="helios"),
+         video="extend", dit="helios", frames=33),
 )}
 
 

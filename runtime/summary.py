@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,21 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                                                     "latent_channels": m.tiny_decoder.latent_channels,
                                                     "latents": m.tiny_decoder.latents}} if m.tiny_decoder else {})},
         "tpu_fit": fit.read_record(path, m) if m.target.platform == "tpu" else None,
+        "chunks": None if m.chunks is None else dataclasses.asdict(m.chunks),
     }
+
+
+def _chunks(c: dict[str, Any], g: dict[str, Any]) -> str:
+    """A Helios bundle's chunks, in a line."""
+    latent = g["latents"][2]
+    text = (f"chunks     {g['frames']} frames ({latent} latent) each, any count; history "
+            f"{'/'.join(map(str, c['history_sizes']))} latent frames (long/mid/short) + the first")
+    if c["stages"] > 1:
+        text += f"; pyramid of {c['stages']} stages (gamma {c['gamma']:.3g})"
+        text += ", DMD steps" if c["distilled"] else ""
+        text += ", CFG-Zero*" if c["cfg_zero_star"] else ""
+    shift = f"dynamic ({c['time_shift_type']})" if c["use_dynamic_shifting"] else f"{c['shift']:g}"
+    return text + f"; shift {shift}"
 
 
 def _takes(kind: kinds.Kind) -> str:
@@ -96,15 +112,20 @@ def format_text(s: dict[str, Any]) -> str:
             + (f" + {x['reference_images']} reference image{'s' * (x['reference_images'] > 1)}"
                if x.get("reference_images") else "") + (" default" if x["default"] else "") for x in s["shapes"]),
         f"dtype      {s['dtype']} (VAE fp32); attention {_kv(s['attention'])}",
-        f"defaults   {d['steps']} {d['sampler']} steps"
+        f"defaults   {d['steps']} {'DMD' if (s.get('chunks') or {}).get('distilled') else d['sampler']} steps"
+        + (" per stage" if (s.get("chunks") or {}).get("stages", 1) > 1 else "")
         + (f" (sigmas {', '.join(f'{v:g}' for v in d['sigmas'])})" if d.get("sigmas") else "")
         + f", guidance {d['guidance']}" + (f" / {d['guidance_2']}" if d.get("guidance_2") is not None else "")
         + f", flow shift {d['flow_shift']}, {d['fps']} fps",
         "decoders   full (the VAE, default)" + (
             f"; tiny: {(x := s['decoders']['tiny'])['file']} ({x['variant']} TAEHV decoder, {x['latent_channels']} "
             f"channels, takes {x['latents']} latents)" if "tiny" in s.get("decoders", {}) else ""),
+        *([_chunks(s["chunks"], g)] if s.get("chunks") else []),
         f"samplers   unipc (order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}), euler, "
-        "dpm++ (any, per run)",
+        "dpm++ (any, per run)" if not s.get("chunks") else
+        "samplers   DMD (the distilled scheduler's)" if s["chunks"]["distilled"] else
+        f"samplers   unipc (order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}), "
+        "euler (HeliosScheduler's, per run)",
         f"versions   {_kv(s['versions'])}",
     ]
     if t["platform"] == "tpu":

@@ -236,3 +236,35 @@ def test_a_helios_job_streams_each_chunk_as_it_is_made(pipe, tmp_path: Path) -> 
                                      lambda name: client.get(f"/v1/videos/{vid}/{name}").content)
     assert playlist.ended and playlist.durations == pytest.approx([9 / 24, 9 / 24, 7 / 24], abs=1e-5)
     assert_same_video(frames, decode_ts(client.get(f"/v1/videos/{vid}/content").content))
+
+
+def test_a_pyramid_refuses_latents_it_cannot_halve(tmp_path: Path) -> None:
+    """helios-mid from its architecture name at 720p: its 160x90 latents do not divide into the pyramid's 8s. One
+    line, exit 2, nothing written (before any tracing)."""
+    out = tmp_path / "b"
+    proc = run_cli("export", "--model", "helios-mid", "--no-weights", "--resolution", "720p", "--out", str(out),
+                   check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: 1280x720: a Helios pyramid of 3 stages halves the latents (160x90) 2 times, so they must divide by 8: "
+        "give a resolution whose width and height are multiples of 64")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kind, stages", [("helios-base", "helios", 1), ("helios-distilled", "helios-distilled",
+                                                                                3)])
+def test_programs_from_architecture_names(tmp_path: Path, name: str, kind: str, stages: int) -> None:
+    """The released 14B's programs from its name alone (--no-weights) at its default shape, one chunk of 33 frames at
+    640x384 for a v6e-8 slice: the kind, the chunk settings, and each pyramid stage's DiT program on its latents
+    (80x48, 40x24, 20x12) with the history at full size."""
+    out = tmp_path / name
+    run_module("export", "--model", name, "--no-weights", "--resolution", "640x384", "--target", "tpu-v6e-8",
+               "--out", str(out), "-q")
+    m = __import__("runtime.manifest", fromlist=["read"]).read(out)
+    assert m.kind == kind and m.geometry.frames == 33 and m.chunks.stages == stages
+    assert m.chunks.distilled == (name == "helios-distilled")
+    for k in range(stages):
+        f = 2 ** (stages - 1 - k)
+        spec = m.programs["denoise_step" + ("" if k == stages - 1 else f"_stage{k}")]
+        assert spec.inputs["state"].shape == (4, 1, 16, 9, 48 // f, 80 // f)
+        assert spec.inputs["history"].shape == (1, 16, 20, 48, 80)
