@@ -55,14 +55,17 @@ def parser() -> argparse.ArgumentParser:
                    help="build the programs from the model's config alone; attach weights later")
     p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
                    help="instead of exporting: add the weights of --weights to this --no-weights bundle")
-    p.add_argument("--weights", metavar="SOURCE", help="checkpoint (directory or hub id) for --attach-weights")
+    p.add_argument("--weights", metavar="SOURCE",
+                   help="checkpoint (directory or hub id) for --attach-weights, or for --model FILE.gguf (all but "
+                        "the DiT)")
     p.add_argument("--quantize", choices=MODES, default=None,
                    help="store the DiT's and the encoders' linear layers in 8 bits with a scale per output channel "
                         "(int8 or fp8: weights only, dequantized next to the matmul; int8-dynamic: int8 weights and "
                         "int8 activations per token, int8 x int8 -> int32 dots). With --attach-weights it must be "
                         "the mode the bundle was exported with (the default)")
     p.add_argument("--dit-weights", action="append", type=Path, metavar="FILE",
-                   help="with --attach-weights: the DiT's weights from this file instead of --weights' DiT, in the "
+                   help="the DiT's weights from this file instead of the checkpoint's (with --attach-weights, or with --model "
+                        "CHECKPOINT for a full export), in the "
                         "original Wan layout (`blocks.N.self_attn.q.weight`, as lightx2v and ComfyUI ship full and "
                         "step-distilled DiTs; a .safetensors file or a directory of them), or a training run's "
                         "torch.distributed.checkpoint folder (TorchTitan's step-N/, or its parent: the highest step; "
@@ -187,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--bundle and --lora-into go with --lora SOURCE")
         if args.validate:
             raise UserError("--validate goes with --savedmodel BUNDLE")
-        if args.dit_weights:
-            raise UserError("--dit-weights goes with --attach-weights BUNDLE --weights SOURCE")
+        _gguf_model(args)  # --model FILE.gguf --weights CHECKPOINT: the GGUF is the first expert's --dit-weights
+        if args.weights is not None:
+            raise UserError("--weights goes with --attach-weights BUNDLE, or with --model FILE.gguf (the checkpoint "
+                            "of everything but the DiT)")
+        if args.dit_weights and args.no_weights:
+            raise UserError("--dit-weights needs the checkpoint's other weights: drop --no-weights (or attach later: "
+                            "--attach-weights BUNDLE --weights SOURCE --dit-weights FILE)")
         from .build import (
             Settings,
             build_bundle,
@@ -249,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             # process ends: frozen, the collections between components (build.py) and the tracer's own scan only
             # what the export allocates (a second a bundle, of a 14B one's ten of tracing).
             gc.freeze()
-            manifest = build_bundle(src, settings, args.out, force=args.force, check=check)
+            if args.dit_weights:
+                manifest = _export_with_dit_weights(src, settings, args, check)
+            else:
+                manifest = build_bundle(src, settings, args.out, force=args.force, check=check)
     except ModuleNotFoundError as e:  # the export extra (torch, diffusers, ...) not installed: say so in one line
         error = missing(e, "python -m export")
         if error is None:
@@ -268,6 +279,44 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("export").info("wrote %s (bundle %s%s) in %.1f s", args.out, manifest.bundle_id,
                                      "" if manifest.has_weights else ", no weights", time.perf_counter() - t0)
     return 0
+
+
+def _gguf_model(args: argparse.Namespace) -> None:
+    """`--model FILE.gguf --weights CHECKPOINT` is `--model CHECKPOINT --dit-weights FILE.gguf [--dit-weights ...]`:
+    a GGUF file holds the DiT only, so the text encoder, VAE, tokenizer and configs come from the checkpoint."""
+    if not str(args.model).endswith(".gguf"):
+        return
+    if args.weights is None:
+        raise UserError(f"--model {args.model} is a GGUF file, which holds the DiT only: give the checkpoint of "
+                        "everything else (text encoder, VAE, tokenizer) as --weights SOURCE")
+    args.dit_weights = [Path(args.model), *(args.dit_weights or [])]
+    args.model, args.weights = args.weights, None
+
+
+def _export_with_dit_weights(src: Any, settings: Any, args: argparse.Namespace, check: Any) -> Any:
+    """An export whose DiT comes from --dit-weights: the programs built without weights, then every weight attached
+    as `--attach-weights` does (one code path for both: the same checks, casts and quantization), all in a hidden
+    sibling of --out renamed into place only when complete, so a refusal anywhere leaves nothing written."""
+    import dataclasses
+    import shutil
+
+    from .attach import attach_weights
+    from .build import build_bundle, replace_dir
+
+    staging = args.out.parent / f".{args.out.name}.dit-weights-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        programs_only = dataclasses.replace(settings, loras=())  # LoRAs are merged by the attach, into the file's DiT
+        build_bundle(dataclasses.replace(src, weights=False), programs_only, staging, check=check)
+        manifest = attach_weights(staging, src, dit_weights=args.dit_weights, merges=list(settings.loras),
+                                  tiny_decoder=settings.tiny_decoder)
+        if args.out.exists() and not args.force:
+            raise UserError(f"{args.out} already exists: choose another --out or pass --force to replace it")
+        replace_dir(staging, args.out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _fit_check(args: argparse.Namespace, target: targets.Target) -> Any:

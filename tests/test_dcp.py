@@ -70,6 +70,42 @@ def test_a_dcp_folder_attaches_as_the_diffusers_directory(checkpoints, fp32_bund
     assert runtime.load(bundle).generate("a kite", steps=2, progress=False).std() > 1e-3
 
 
+def test_a_full_export_takes_the_dit_from_a_dcp_folder(checkpoints, fp32_bundles, tmp_path: Path) -> None:
+    """`--model CHECKPOINT --dit-weights RUN` in one export: the programs are the direct export's files, every weight
+    file its weights bit for bit but the DiT's tensors the run holds (the checkpoint's halved), the RoPE tables
+    computed as the model computes them."""
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+
+    from runtime import manifest as mf
+
+    from .test_quantize import lightx2v_file
+
+    variant, res, frames, max_len = CASES["tiny-64x32-f9"]
+    ckpt = checkpoints[variant]
+    original = load_torch(str(lightx2v_file(ckpt, "transformer", tmp_path / "plain.safetensors", None)))
+    run = _dcp(original, tmp_path / "run" / "step-3", scale=0.5)  # halved: exact in fp32, and not the checkpoint's
+    out = tmp_path / "bundle"
+    run_module("export", "--model", str(ckpt), "--dit-weights", str(run), "--resolution", res, "--frames",
+               str(frames), "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out), "-q")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "plain.safetensors", "run"]  # no staging left
+    ours, theirs = mf.read(out), mf.read(fp32_bundles["tiny-64x32-f9"])
+    assert ours.source["dit_weights"] == [{"file": "step-3", "expert": "transformer"}]
+    assert {k: p.sha256 for k, p in ours.programs.items()} == {k: p.sha256 for k, p in theirs.programs.items()}
+    assert ours.weights.keys() == theirs.weights.keys()
+    from export.prequantized import diffusers_names
+
+    halved = set(diffusers_names(list(original)).values())
+    for group in theirs.weights:
+        got = load_file(str(out / "weights" / f"{group}.safetensors"))
+        want = load_file(str(fp32_bundles["tiny-64x32-f9"] / "weights" / f"{group}.safetensors"))
+        assert got.keys() == want.keys(), group
+        for k in want:
+            w = want[k] * np.float32(0.5) if group == "transformer" and k in halved else want[k]
+            assert got[k].dtype == want[k].dtype and np.array_equal(got[k], w), (group, k)
+    assert len(halved) > 10 and halved <= set(theirs.weights["transformer"].tensors)
+
+
 def test_a_dcp_folder_that_is_not_this_model_is_one_line(checkpoints, tmp_path: Path) -> None:
     """Exit 2, one line, the bundle left without weights: a run of another architecture (its keys renamed) names the
     first missing tensor and the closest key present; a .pt file is refused unread; a .metadata that would unpickle
