@@ -109,7 +109,8 @@ def test_what_a_kind_cannot_make_is_refused_and_left_out_of_its_document(tmp_pat
                                          "skyreels-flf2v, and text-to-video with the VAE encoder)"),
                 ("/v1/videos/extensions", {"seconds": "0.5625"}, "it cannot extend a video (the kinds that extend: "
                                                                  "ti2v, i2v, i2v-moe, vace, vace-moe, skyreels-i2v, "
-                                                                 "skyreels-df)")):
+                                                                 "skyreels-df, helios, helios-pyramid, "
+                                                                 "helios-distilled)")):
             r = httpx.post(server.url + path, json={"prompt": "a dancer", "video": upload, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == "video", r.text
             assert r.json()["error"]["message"].endswith(message), r.text

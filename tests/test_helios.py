@@ -201,8 +201,9 @@ def test_a_helios_job_streams_each_chunk_as_it_is_made(pipe, tmp_path: Path) -> 
     trimmed to 25); its first chunk is served on the job's live stream while the job is in_progress; the ended
     playlist's three segments are the mp4's frames. Helios' settings by diffusers' names, checked before queueing:
     a pyramid's on a one-stage bundle, a sampler its scheduler lacks, a boolean that is not one: 400 naming the
-    field."""
+    field. An extension continues the video (the source, then a new chunk); a remix is refused."""
     from runtime import hls
+    from runtime.serve import worker
 
     from .test_stream import Gate, _app, _run_in_thread, assert_same_video, decode_ts, stream_frames
 
@@ -235,7 +236,21 @@ def test_a_helios_job_streams_each_chunk_as_it_is_made(pipe, tmp_path: Path) -> 
     playlist, frames = stream_frames(client.get(f"/v1/videos/{vid}/stream.m3u8").text,
                                      lambda name: client.get(f"/v1/videos/{vid}/{name}").content)
     assert playlist.ended and playlist.durations == pytest.approx([9 / 24, 9 / 24, 7 / 24], abs=1e-5)
-    assert_same_video(frames, decode_ts(client.get(f"/v1/videos/{vid}/content").content))
+    video = decode_ts(client.get(f"/v1/videos/{vid}/content").content)
+    assert_same_video(frames, video)
+
+    # An extension continues the completed video from its last whole chunks: the source, then the new chunk.
+    extended = client.post("/v1/videos/extensions", json={"video": {"id": vid}, "prompt": "a red cat runs",
+                                                           "seconds": "0.3", "num_inference_steps": 1})
+    assert extended.status_code == 200, extended.text
+    ext = extended.json()["id"]
+    worker._run(state, state.store.claim())
+    assert client.get(f"/v1/videos/{ext}").json()["status"] == "completed"
+    joined = decode_ts(client.get(f"/v1/videos/{ext}/content").content)
+    assert joined.shape == (25 + 9, H, W, 3)
+    assert np.abs(joined[:25].astype(np.float32) - video.astype(np.float32)).mean() < 3  # the source, re-encoded
+    remix = client.post(f"/v1/videos/{vid}/remix", json={"prompt": "a blue cat"})
+    assert remix.status_code == 400 and "its videos cannot be remixed or edited" in remix.json()["error"]["message"]
 
 
 def test_a_pyramid_refuses_latents_it_cannot_halve(tmp_path: Path) -> None:

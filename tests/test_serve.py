@@ -718,7 +718,7 @@ def test_remix_and_edit_on_a_text_to_video_bundle(tiny_server: Server, tmp_path:
         client.videos.extend(prompt="more", seconds="0.5625", video=openai.omit,
                              extra_body={"video": {"id": source.id}})
     assert e.value.body["message"].endswith("(the kinds that extend: ti2v, i2v, i2v-moe, vace, vace-moe, "
-                                            "skyreels-i2v, skyreels-df)")
+                                            "skyreels-i2v, skyreels-df, helios, helios-pyramid, helios-distilled)")
     busy = client.videos.create(prompt="not yet", extra_body=SLOW)
     with pytest.raises(openai.ConflictError) as e:
         client.videos.remix(busy.id, prompt="too soon")

@@ -24,6 +24,8 @@ continues the source's last latent frames) is one more row and a branch in `sour
       forcing         diffusion forcing (SkyReels-V2 DF): runtime/forcing.py's video extension, the source's last
                       `overlap_history` frames pinned (their latents) at the start of a run of any length (`seconds`
                       up to --max-seconds); the run re-makes those frames, which the result takes from the source
+      helios          Helios: runtime/helios.py's video-to-video, the source's first frame and last whole chunks the
+                      new chunks' history; the new part (`seconds` up to --max-seconds) follows it, nothing shared
       image           image-to-video kinds with one image: the source's last frame is the image (1 frame shared)
       vace            VACE: the source's last `vace_overlap(F)` frames are kept (mask black) at the start of the new
                       part's F frames, the rest generated (mask white, grey control frames)
@@ -43,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import helios
 from ..kinds import KINDS, Kind
 from .errors import ApiError
 from .schema import BY_NAME, Body, Offer, check_video, seconds_of
@@ -54,7 +57,7 @@ DEFAULT_STRENGTH = 0.8
 # Diffusion forcing's settings (offered by DF bundles only) go on from the source's to its extension.
 SETTINGS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift",
             "sampler", "sigmas", "fps", "conditioning_scale", "lora", "overlap_history", "ar_step",
-            "causal_block_size", "addnoise_condition", "decoder")
+            "causal_block_size", "addnoise_condition", "decoder", *helios.SETTINGS)
 # Each route's fields (besides the source: the remix's path, `video` / `video[id]` for the others).
 FIELDS_OF = {"remix": ("prompt", "strength", *SETTINGS), "edit": ("prompt", "size", "strength", *SETTINGS),
              "extend": ("prompt", "seconds", "size", *SETTINGS)}
@@ -78,8 +81,8 @@ def vace_overlap(frames: int) -> int:
 
 REMAKES: tuple[Way, ...] = (
     Way("video_to_video", lambda k, vtv: vtv, noised=True),  # (no other conditioning: the run's `video_latents`)
-    # (diffusion forcing has no SDEdit start: its remakes are refused, its extensions are its own way)
-    Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate and not k.forcing,
+    # (diffusion forcing and Helios have no SDEdit start: their remakes are refused, their extensions are their own)
+    Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate and not k.any_length,
         noised=True, image="first"),
     Way("vace", lambda k, vtv: k.vace, noised=True),
     Way("first_frame", lambda k, vtv: k.conditioning == "first_frame", image="first"),
@@ -87,6 +90,7 @@ REMAKES: tuple[Way, ...] = (
 )
 EXTENDS: tuple[Way, ...] = (
     Way("forcing", lambda k, vtv: k.forcing),  # the overlap is the run's overlap_history (`extend`)
+    Way("helios", lambda k, vtv: k.helios),  # the source continued in chunks: nothing shared
     Way("image", lambda k, vtv: k.image != "none" and not k.last_image and not k.animate, image="last",
         overlap=lambda frames: 1),
     Way("vace", lambda k, vtv: k.vace, overlap=vace_overlap),
@@ -291,6 +295,14 @@ def extend(body: Body, offer: Offer, source: Source) -> tuple[Body, list[tuple[s
     fields = _inherited(source, offer, given)
     if w.name == "forcing":
         return _forcing_extension(body, offer, source, fields)
+    if w.name == "helios":  # `seconds` of new chunks after the source's last whole ones (schema.parse_request's plan)
+        fields["size"] = _size(source, offer, fields, body.form)
+        window = max(n for size, n in offer.shapes if size == fields["size"])
+        if len(source.frames) < window:
+            raise ApiError(400, f"the video has {len(source.frames)} frames, fewer than one chunk of {window}: Helios "
+                                "continues a video from its last whole chunks", "video")
+        params = {"derive": {"op": "extend", "way": "helios", "overlap": 0}}
+        return Body(fields, {}, body.form), [("source", source.data)], params
     fields.pop("conditioning_scale", None) if not offer.kind.vace else None
     size = _size(source, offer, fields, body.form)
     fields["size"] = size

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import helios, hls
 from ..errors import UserError
 from ..files import disk_full
@@ -102,13 +104,17 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
             write_video(frames, video, fps=params["fps"])
         return frames
     if pipe.kind.helios:  # any length, in chunks: runtime/helios.py
+        source = media.get("_source")  # an extension's (derive.py's "helios" way): the video continued
+        if source is not None:  # the stream shows the video the job writes: the source, then the new chunks
+            on_frames(derive.joined(params, dict(media), np.zeros((0, *_frame_shape(pipe, params)), np.float32))[None])
         check()
-        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"), video=source,
                                num_frames=params["frames"], seed=s.seed, steps=s.steps, guidance=s.guidance,
                                sampler=params.get("sampler"), sigmas=s.sigmas, progress=False,
                                size=params.get("size"), on_step=steps_done, on_preview=on_preview,
                                decoder=params.get("decoder") or "full", on_frames=on_frames,
                                **{name: params.get(name) for name in helios.SETTINGS})[0]
+        frames = derive.joined(params, media, frames)  # an extension's source first
         stage_done("decode")
         if video is not None:
             write_video(frames, video, fps=params["fps"])
@@ -153,6 +159,12 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
     if video is not None:
         write_video(frames, video, fps=params["fps"])
     return frames
+
+
+def _frame_shape(pipe: Any, params: dict[str, Any]) -> tuple[int, int, int]:
+    """(H, W, 3): the frames of a job at its size."""
+    g = pipe.shape(params.get("size"))
+    return (g.height, g.width, 3)
 
 
 def media_of(params: dict[str, Any], files: list[bytes]) -> dict[str, Any]:
