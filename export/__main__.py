@@ -64,8 +64,8 @@ def parser() -> argparse.ArgumentParser:
                         "int8 activations per token, int8 x int8 -> int32 dots). With --attach-weights it must be "
                         "the mode the bundle was exported with (the default)")
     p.add_argument("--dit-weights", action="append", type=Path, metavar="FILE",
-                   help="the DiT's weights from this file instead of the checkpoint's (with --attach-weights, or with --model "
-                        "CHECKPOINT for a full export), in the "
+                   help="the DiT's weights from this file instead of the checkpoint's (with --attach-weights, or "
+                        "with --model CHECKPOINT for a full export), in the "
                         "original Wan layout (`blocks.N.self_attn.q.weight`, as lightx2v and ComfyUI ship full and "
                         "step-distilled DiTs; a .safetensors file or a directory of them), or a training run's "
                         "torch.distributed.checkpoint folder (TorchTitan's step-N/, or its parent: the highest step; "
@@ -93,7 +93,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--defaults", metavar="KEY=VALUE,...",
                    help="the bundle's run defaults, over the checkpoint's (steps 50, guidance 5, its scheduler's "
                         "sampler and flow shift): steps, guidance, guidance_2, flow_shift, sampler (unipc, euler, "
-                        "dpm++), sigmas (the last key: sigmas=1,0.75,0.5,0.25), fps; e.g. "
+                        "dpm++), sigmas (the last key: sigmas=1,0.75,0.5,0.25), fps, timestep_scale (the DiT is fed "
+                        "t = sigma x timestep_scale: 1000 as released Wan, 1 for a TorchTitan-trained checkpoint); "
+                        "e.g. "
                         "steps=4,guidance=1,sampler=euler,flow_shift=5 for a step-distilled model")
     p.add_argument("--merge-lora", action="append", default=[], metavar="FILE[:SCALE]",
                    help="merge this LoRA (diffusers, PEFT, ComfyUI/lightx2v `diffusion_model.` or musubi keys; "

@@ -446,7 +446,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
         raise
 
 
-DEFAULT_KEYS = ("steps", "guidance", "guidance_2", "flow_shift", "sampler", "sigmas", "fps")
+DEFAULT_KEYS = ("steps", "guidance", "guidance_2", "flow_shift", "sampler", "sigmas", "fps", "timestep_scale")
 
 
 def parse_defaults(text: str | None) -> dict[str, Any]:
@@ -471,7 +471,7 @@ def parse_defaults(text: str | None) -> dict[str, Any]:
         for key in ("steps", "fps"):
             if key in out:
                 out[key] = int(out[key])
-        for key in ("guidance", "guidance_2", "flow_shift"):
+        for key in ("guidance", "guidance_2", "flow_shift", "timestep_scale"):
             if key in out:
                 out[key] = float(out[key])
         if "sigmas" in out:
@@ -489,6 +489,12 @@ def defaults_for(kind: Kind, config: sched.UniPCConfig, base: Defaults, given: d
         d = dataclasses.replace(d, steps=len(d.sigmas))
     if not 1 <= d.fps <= 240:
         raise UserError(f"--defaults fps={d.fps} must be in 1..240")
+    if not 0 < d.timestep_scale < float("inf"):
+        raise UserError(f"--defaults timestep_scale={d.timestep_scale:g} must be a number > 0 (1000 for released Wan "
+                        "weights, 1 for a checkpoint trained on t = sigma, as TorchTitan's Wan trainer does)")
+    if d.timestep_scale != 1000 and kind.helios:  # runtime/helios.py feeds its own chunk loop's timesteps
+        raise UserError(f"--defaults timestep_scale: {kind.title} bundles feed their DiT released Wan's timesteps "
+                        "(x 1000) only")
     try:
         run_settings.resolve(dataclasses.replace(d, guidance_2=None), kind, config, guidance_2=d.guidance_2,
                              sigmas=d.sigmas, steps=d.steps)

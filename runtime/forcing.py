@@ -46,6 +46,7 @@ from . import manifest as mf
 from .distributed import fetch, is_primary, put
 from .errors import UserError
 from .noise import seed_noise, segment_noise
+from .scheduler import TIMESTEP_SCALE, scaled_timesteps
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -442,6 +443,7 @@ def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program:
     if seg.end:  # the last image: pinned at t = 0, never stepped
         index_m[:, -1], update_m[:, -1] = steps + 1, False
     template = np.concatenate([[NOT_STARTED], run.plan.timesteps, [0]]).astype(np.float32)
+    timestep_scale = pipe.manifest.defaults.timestep_scale
     coeffs = frame_rows(run.plan.coeffs)
     order = pipe.scheduler_config.solver_order
     state = np.zeros((scheduler.state_rows(order), *x0.shape), np.float32)
@@ -461,6 +463,8 @@ def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program:
             t[: seg.prefix] = run.addnoise
         rows = coeffs[np.clip(index_m[r] - 1, 0, steps - 1)] * update_m[r][:, None]
         noise = put(prefix_noise(run.seed, index, r, x0.shape), placed["noise"]) if blend.any() else zeros
+        if timestep_scale != TIMESTEP_SCALE:  # the DiT's convention (manifest.Defaults.timestep_scale)
+            t = scaled_timesteps(t, timestep_scale)
         values = {"state": state_dev, "kv": run.kv, "timestep": t,
                   "guidance": np.float32(run.guidance), "row": rows.astype(np.float32), "noise": noise,
                   "blend": blend, "update": update_m[r].astype(np.float32), "causal_block": np.int32(run.block),

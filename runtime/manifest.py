@@ -48,7 +48,9 @@ from .errors import BundleError
 #      older programs take int32), and Defaults has the run's sampler, custom sigmas and second guidance. Video in:
 #      the VACE kinds, Geometry.reference_images (their DiT programs' extra leading latent frames, per count), and
 #      Manifest.video_to_video (a text-to-video bundle with the VAE encoder for a source video).
-SCHEMA_VERSION = 9
+#  10: Defaults.timestep_scale: the DiT is fed t = sigma x timestep_scale (released Wan: 1000; a TorchTitan-trained
+#      checkpoint: 1, export --defaults timestep_scale=1); older bundles' DiTs all take sigma x 1000.
+SCHEMA_VERSION = 10
 MANIFEST_FILE = "manifest.json"
 SCALE_SUFFIX = "_scale"  # a quantized tensor's per-row scale is the tensor "<name>_scale" (export/quantize.py)
 
@@ -122,9 +124,17 @@ def _from_v8(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _from_v9(d: dict[str, Any]) -> dict[str, Any]:
+    """v9 bundles' DiTs take released Wan's timesteps, sigma x 1000."""
+    d = copy.deepcopy(d)
+    d["defaults"]["timestep_scale"] = 1000.0
+    d["schema_version"] = 10
+    return d
+
+
 # version -> function taking that version's JSON to the next version's
 MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6, 7: _from_v7,
-              8: _from_v8}
+              8: _from_v8, 9: _from_v9}
 
 
 @dataclass(frozen=True)
@@ -355,6 +365,10 @@ class Defaults:
     sampler: str = "unipc"  # runtime/samplers.py SAMPLERS
     sigmas: tuple[float, ...] | None = None  # custom sigmas (one per step, before the shift), with `steps` of them
     guidance_2: float | None = None  # the second expert's guidance (None: `guidance`, as diffusers)
+    # The DiT is fed t = sigma x timestep_scale: 1000 as released Wan was trained (the schedule's timesteps as they
+    # are); TorchTitan's Wan trainer feeds t = sigma, so a checkpoint it trained samples right only with 1. A property
+    # of the weights, not of a run: set at export (--defaults timestep_scale=1), never per request.
+    timestep_scale: float = 1000.0
 
 
 @dataclass(frozen=True)

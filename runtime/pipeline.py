@@ -24,6 +24,7 @@ from .distributed import fetch, is_primary, put
 from .errors import UserError
 from .kinds import Kind
 from .magcache import MagCache
+from .scheduler import TIMESTEP_SCALE, scaled_timesteps
 from .settings import MAX_SEED, DenoiseSettings  # noqa: F401  (public names of this module)
 from .text import PromptTokenizer, check_prompt
 
@@ -301,10 +302,15 @@ class Pipeline:
         return st.expert_of(timestep, self.kind, self.manifest.boundary_ratio, self.scheduler_config)
 
     def _timestep_cast(self, program: str, s: DenoiseSettings) -> Callable[[float], np.generic]:
-        """The timestep as program `program` takes it: float32 (bundles of schema 9 on), or int32 in older bundles,
-        whose programs cannot take Euler's fractional timesteps (UserError, before any work)."""
+        """The timestep as program `program` takes it: the schedule's (sigma x 1000) times the bundle's
+        timestep_scale / 1000, as float32 (bundles of schema 9 on), or int32 in older bundles, whose programs cannot
+        take Euler's fractional timesteps (UserError, before any work)."""
+        scale = self.manifest.defaults.timestep_scale
         if self.manifest.programs[program].inputs["timestep"].dtype == "float32":
-            return np.float32
+            return np.float32 if scale == TIMESTEP_SCALE else (lambda t: scaled_timesteps(t, scale))
+        if scale != TIMESTEP_SCALE:  # only an edited manifest gets here: its migration sets 1000
+            raise UserError(f"this bundle's programs take whole-number timesteps (it was exported by an older "
+                            f"wan-aot), which cannot carry timestep_scale {scale:g}: re-export the bundle")
         plan = s.plan(self.scheduler_config)
         if not np.array_equal(plan.timesteps, np.round(plan.timesteps)):
             raise UserError(f"this bundle's programs take whole-number timesteps (it was exported by an older "

@@ -33,6 +33,16 @@ import numpy as np
 SUPPORTED_CLASS = "UniPCMultistepScheduler"
 
 
+
+TIMESTEP_SCALE = 1000.0  # the timesteps the schedules give (sigma x num_train_timesteps), as released Wan is fed
+
+
+def scaled_timesteps(t: Any, scale: float) -> Any:
+    """Schedule timesteps (sigma x 1000) as a DiT trained on sigma x `scale` takes them (manifest.Defaults
+    .timestep_scale): computed in float64 and rounded once to float32; a scalar stays a numpy scalar."""
+    return (np.asarray(t, np.float64) * (scale / TIMESTEP_SCALE)).astype(np.float32)[()]
+
+
 @dataclass(frozen=True)
 class UniPCConfig:
     """The subset of diffusers' scheduler config that the coefficient tables depend on."""

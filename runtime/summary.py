@@ -64,7 +64,8 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
         "dtype": m.dtype, "quantize": m.quantize, "attention": m.attention,
         "defaults": {"steps": m.defaults.steps, "guidance": m.defaults.guidance, "guidance_2": m.defaults.guidance_2,
                      "flow_shift": m.defaults.flow_shift, "fps": m.defaults.fps, "sampler": m.defaults.sampler,
-                     "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
+                     "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas),
+                     "timestep_scale": m.defaults.timestep_scale},
         "scheduler": m.scheduler, "stages": stages, "weights": weights,
         "weights_attached": m.has_weights, "versions": m.versions,
         "decoders": {"full": "the VAE", **({"tiny": {"file": m.tiny_decoder.file, "variant": m.tiny_decoder.variant,
@@ -116,7 +117,9 @@ def format_text(s: dict[str, Any]) -> str:
         + (" per stage" if (s.get("chunks") or {}).get("stages", 1) > 1 else "")
         + (f" (sigmas {', '.join(f'{v:g}' for v in d['sigmas'])})" if d.get("sigmas") else "")
         + f", guidance {d['guidance']}" + (f" / {d['guidance_2']}" if d.get("guidance_2") is not None else "")
-        + f", flow shift {d['flow_shift']}, {d['fps']} fps",
+        + f", flow shift {d['flow_shift']}, {d['fps']} fps"
+        + (f", DiT fed t = sigma x {d['timestep_scale']:g} (not x 1000)" if d.get("timestep_scale", 1000) != 1000
+           else ""),
         "decoders   full (the VAE, default)" + (
             f"; tiny: {(x := s['decoders']['tiny'])['file']} ({x['variant']} TAEHV decoder, {x['latent_channels']} "
             f"channels, takes {x['latents']} latents)" if "tiny" in s.get("decoders", {}) else ""),

@@ -111,3 +111,53 @@ def test_a_prompt_runs_the_shortest_text_encoder_that_holds_it_with_the_full_len
         assert got.shape == full.shape and not got[:, tokens:].any()
         np.testing.assert_allclose(got, full, rtol=0, atol=1e-5 * max(1.0, float(np.abs(full).max())))
     assert len(ran) >= 3 and "text_encoder" in ran, ran
+
+
+def test_timestep_scale_1_feeds_the_dit_sigma_as_diffusers_fed_t_over_1000(fp32_bundles, checkpoints,
+                                                                           tmp_path) -> None:
+    """A bundle whose defaults say timestep_scale=1 (a checkpoint trained on t = sigma, as TorchTitan's Wan trainer
+    feeds it) gives the frames of diffusers' WanPipeline whose transformer is called with t / 1000, within 1e-4, and
+    not the frames of the same weights fed released Wan's t; `runtime inspect` says so; export's --defaults takes
+    the key and refuses a scale <= 0."""
+    import shutil
+
+    import torch
+    from diffusers import WanPipeline
+
+    from export.build import defaults_for, parse_defaults
+    from runtime import kinds
+    from runtime.errors import UserError
+    from runtime.scheduler import UniPCConfig
+
+    from .conftest import run_cli
+    from .test_bundle_checks import _rewrite_manifest
+
+    variant, _, frames, max_len = CASES["tiny-64x32-f9"]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(fp32_bundles["tiny-64x32-f9"], bundle)
+    _rewrite_manifest(bundle, lambda m: m["defaults"].update(timestep_scale=1.0))
+    assert "DiT fed t = sigma x 1 (not x 1000)" in run_cli("runtime", "inspect", str(bundle)).stdout
+    pipe = runtime.load(bundle)
+    steps, guidance, seed = 3, 5.0, 7
+    embeds = pipe.encode(PROMPT, NEGATIVE)
+    out = pipe.decode(pipe.denoise(embeds, seed=seed, steps=steps, guidance=guidance, progress=False))
+    released = runtime.load(fp32_bundles["tiny-64x32-f9"])
+    assert np.abs(out - released.decode(released.denoise(embeds, seed=seed, steps=steps, guidance=guidance,
+                                                         progress=False))).max() > 1e-2
+
+    ref = WanPipeline.from_pretrained(str(checkpoints[variant]), dtype=torch.float32)
+    forward = ref.transformer.forward
+    ref.transformer.forward = lambda *a, timestep, **k: forward(*a, timestep=timestep / 1000, **k)
+    g = pipe.geometry
+    with torch.no_grad():
+        want = ref(prompt=PROMPT, negative_prompt=NEGATIVE, height=g.height, width=g.width, num_frames=frames,
+                   num_inference_steps=steps, guidance_scale=guidance, max_sequence_length=max_len,
+                   latents=torch.from_numpy(pipe.initial_latents(seed).copy()), output_type="np").frames
+    assert np.abs(out - want).max() <= 1e-4 and out.std() > 1e-3
+
+    assert parse_defaults("steps=4,timestep_scale=1") == {"steps": 4, "timestep_scale": 1.0}
+    t2v = kinds.get("t2v")
+    base = pipe.manifest.defaults
+    assert defaults_for(t2v, UniPCConfig(), base, {"timestep_scale": 1.0}).timestep_scale == 1.0
+    with pytest.raises(UserError, match=r"timestep_scale=0 must be a number > 0"):
+        defaults_for(t2v, UniPCConfig(), base, {"timestep_scale": 0.0})

@@ -129,6 +129,8 @@ class SavedModelPipeline:
         for i in tqdm(range(s.steps), desc="denoising", unit="step", disable=not progress):
             t = plan.timesteps[i]  # cast by `run` to the signature's dtype (int32 in SavedModels of older bundles)
             e = st.expert_of(float(t), self.kind, self.info["boundary_ratio"], self.config)
+            if self.defaults.timestep_scale != scheduler.TIMESTEP_SCALE:  # the DiT's convention (export --defaults)
+                t = scheduler.scaled_timesteps(t, self.defaults.timestep_scale)
             if e not in kv and kinds.cross_kv_program(e) in self.info["signatures"]:
                 kv[e] = self.run(kinds.cross_kv_program(e), context=context, **extras)["kv"]
             out = self.run(kinds.denoise_program(e), state=state, context=context, kv=kv.get(e), timestep=t,
