@@ -10,6 +10,8 @@ r"""`python -m export`: build a bundle from a diffusers-format Wan checkpoint.
         --dit-weights wan2.1_t2v_14b_int8_lightx2v.safetensors     # a pre-quantized DiT (lightx2v's layout)
     python -m export --attach-weights artifacts/ti2v --weights Wan-AI/Wan2.2-TI2V-5B-Diffusers \
         --dit-weights outputs/checkpoint                            # a TorchTitan run's DCP folder (its last step)
+    python -m export --model wan2.1-t2v-14b-Q4_K_M.gguf --weights Wan-AI/Wan2.1-T2V-14B-Diffusers --resolution 480p \
+        --out artifacts/14b-q4k                                     # a GGUF DiT, the rest from the checkpoint
     python -m export --model Wan-AI/Wan2.2-I2V-A14B-Diffusers --resolution 480p --target tpu-v6e-8 --out artifacts/i2v
     python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel    # TF Serving (extra: savedmodel)
     python -m export --lora my_lora.safetensors --bundle artifacts/tiny --out artifacts/my_lora.safetensors
@@ -50,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
                    help=f"diffusers-format directory, hub id, architecture ({', '.join(ARCHITECTURES)}; "
-                        f"with --no-weights) or embedded model ({', '.join(tiny.VARIANTS)}; default: tiny)")
+                        f"with --no-weights), embedded model ({', '.join(tiny.VARIANTS)}; default: tiny), or a DiT's "
+                        ".gguf file with --weights CHECKPOINT for the rest")
     p.add_argument("--no-weights", action="store_true",
                    help="build the programs from the model's config alone; attach weights later")
     p.add_argument("--attach-weights", type=Path, metavar="BUNDLE",
@@ -71,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
                         "torch.distributed.checkpoint folder (TorchTitan's step-N/, or its parent: the highest step; "
                         "the model's keys only): bf16/fp32, cast to the bundle's dtype, or pre-quantized (int8 / "
                         "float8_e4m3fn with a per-row weight_scale) for a bundle of that --quantize mode, used as is; "
+                        "or a .gguf file (city96's layout: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K), "
+                        "dequantized to the bundle's dtype or requantized per row for --quantize; "
                         "give it once per expert, the high-noise one first")
     p.add_argument("--vae", type=Path, metavar="FILE",
                    help="replace the checkpoint's VAE (encoder and decoder) by a Wan 2.1 VAE in the original Wan "

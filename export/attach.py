@@ -19,6 +19,7 @@ from typing import Any
 from runtime import manifest as mf
 from runtime.errors import UserError
 
+from . import gguf_file
 from . import weights as weight_writer
 from .attention import AttentionConfig
 from .build import FAMILIES, defaults_for, load_component, replace_dir, write_tokenizer
@@ -37,7 +38,8 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     A quantized bundle takes `src`'s weights quantized as at export (`quantize`, when given, must be the
     bundle's mode). `dit_weights` (one per expert, in order) replace `src`'s DiT experts with files in the
     original Wan layout (export/prequantized.py): float ones cast to the bundle's dtype, pre-quantized ones (a
-    quantized bundle) used as they are. `merges` (--merge-lora, export/lora.py) are merged into the DiT's
+    quantized bundle) used as they are; GGUF files (export/gguf_file.py) dequantized, then cast or quantized as
+    the bundle stores each tensor. `merges` (--merge-lora, export/lora.py) are merged into the DiT's
     weights; `defaults` (--defaults) replace the bundle's run defaults. `tiny_decoder` (--tiny-decoder, a
     build.TinyDecoderFile) holds the weights of a bundle exported with one, in the convention it was exported for."""
     import torch
@@ -57,7 +59,8 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     prequantized = dict(zip(experts, dit_weights))
     computed = {group: _computed(src, group) for group in prequantized}
     for group, path in prequantized.items():  # from their headers, before anything is loaded or written
-        check_lightx2v(path, manifest.weights[group], group, set(computed[group]))
+        checker = gguf_file.check if gguf_file.is_gguf(path) else check_lightx2v
+        checker(path, manifest.weights[group], group, set(computed[group]))
     merges = list(merges or [])
     if merges and prequantized and manifest.quantize:
         raise UserError("--merge-lora cannot merge into a pre-quantized --dit-weights file: merge the LoRA at load "
@@ -90,7 +93,8 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
                     module, tensors, label = None, tiny, str(tiny_decoder.path)
                 elif group in prequantized:
                     module = None
-                    tensors = read_lightx2v(prequantized[group], wf, group, computed[group])
+                    reader = gguf_file.read if gguf_file.is_gguf(prequantized[group]) else read_lightx2v
+                    tensors = reader(prequantized[group], wf, group, computed[group])
                     label = str(prequantized[group])
                     if adapters:
                         merge_into(tensors, group, adapters)

@@ -12,7 +12,8 @@ from .errors import UserError
 # extra: the modules it installs that wan-aot imports, each from a distribution the extra names or one that such a
 # distribution requires (starlette comes with fastapi); tests/test_missing_extras.py checks that against pyproject.toml
 MODULES: dict[str, tuple[str, ...]] = {
-    "export": ("torch", "torchax", "diffusers", "transformers", "accelerate", "sentencepiece", "google.protobuf"),
+    "export": ("torch", "torchax", "diffusers", "transformers", "accelerate", "sentencepiece", "google.protobuf",
+               "gguf"),
     "serve": ("fastapi", "starlette", "uvicorn", "prometheus_client", "python_multipart", "multipart"),
     "postgres": ("psycopg", "psycopg_pool"),
     "objectstore": ("fsspec", "s3fs"),
