@@ -36,6 +36,7 @@ from benchmarks import (  # noqa: E402
     fewsteps,
     fit,
     forcing,
+    gguf,
     load,
     lora,
     preview,
@@ -74,6 +75,8 @@ MEASURES = {  # name: (module, the question it answers)
     "lora": (lora, "LoRA sets switched between jobs: a switch's cost, the two designs, the 14B per device, affinity"),
     "faults": (faults, "jobs completed and lost out of N while the queue's PostgreSQL restarts, a disk fills, the "
                        "S3 store goes away; the time from the fault's end to the next completed job"),
+    "gguf": (gguf, "GGUF DiT files (Q8_0 kept as int8, Q4_K dequantized) against bf16: bytes and weight PSNR on "
+                   "the 1.3B's shape"),
     "stream": (stream, "time to the first playable segment of a live stream against the whole video (diffusion "
                        "forcing, Wan-Animate)"),
 }
