@@ -78,7 +78,7 @@ MEASURES = {  # name: (module, the question it answers)
     "gguf": (gguf, "GGUF DiT files (Q8_0 kept as int8, Q4_K dequantized) against bf16: bytes and weight PSNR on "
                    "the 1.3B's shape"),
     "stream": (stream, "time to the first playable segment of a live stream against the whole video (diffusion "
-                       "forcing, Wan-Animate)"),
+                       "forcing, Wan-Animate, Helios)"),
 }
 
 

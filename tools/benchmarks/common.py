@@ -64,6 +64,19 @@ def _spec_df_1_3b() -> dict[str, Any]:
             "pipeline": "skyreels-df", "flow_shift": 8.0}
 
 
+def _spec_helios_1_3b() -> dict[str, Any]:
+    """Helios at the 1.3B's widths (there is no 1.3B Helios): HeliosTransformer3DModel with the 1.3B DiT's 30 blocks,
+    12 heads of 128 and its RoPE split (random weights), HeliosPipeline's scheduler; the 1.3b workload's text encoder
+    and the real VAE."""
+    from export.architectures import ARCHITECTURES
+
+    helios, small = ARCHITECTURES["helios-base"], ARCHITECTURES["wan2.1-t2v-1.3b"]["transformer"]
+    transformer = {**helios["transformer"], **{k: small[k] for k in ("num_attention_heads", "attention_head_dim",
+                                                                      "ffn_dim", "num_layers")}}
+    scheduler = {k: v for k, v in helios["scheduler"].items() if k != "_class_name"}
+    return {**_spec_1_3b(), "transformer": transformer, "pipeline": "helios", "scheduler": scheduler}
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and a shape that a benchmark runs, built once under --work (a diffusers checkpoint, then bundles)."""
@@ -93,6 +106,8 @@ WORKLOADS = {w.name: w for w in (
              "ViT-H; 9-frame segments", _spec_animate_1_3b, 128, 128, 9),
     Workload("df-1.3b", "SkyReels-V2-DF-1.3B's widths (the 1.3b workload's DiT with the fps embedding), diffusion "
              "forcing in 21-frame segments (6 latent frames)", _spec_df_1_3b, 128, 128, 21),
+    Workload("helios-1.3b", "Helios at the 1.3b workload's widths (HeliosTransformer3DModel, 30 blocks), chunks of "
+             "33 frames (9 latent frames) with the 16/2/1 history", _spec_helios_1_3b, 128, 128, 33),
 )}
 
 

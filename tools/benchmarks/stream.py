@@ -2,12 +2,13 @@
 encoded as an MPEG-TS segment and written with its playlist) against the same video made whole, where the first
 frame comes with the last.
 
-Workloads: a 4-segment diffusion forcing video on df-1.3b (69 frames: 21-frame segments at overlap_history 5) and a
-4-segment Wan-Animate video on animate-1.3b (33 pose frames: 9-frame segments, one frame carried). Each is one
+Workloads: a 4-segment diffusion forcing video on df-1.3b (69 frames: 21-frame segments at overlap_history 5), a
+4-segment Wan-Animate video on animate-1.3b (33 pose frames: 9-frame segments, one frame carried) and a 3-chunk Helios
+video on helios-1.3b (97 frames: 33-frame chunks, each decoded alone as diffusers does). Each is one
 `pipe.generate` call, every program compiled first; "streamed" passes `on_frames` to an HlsWriter on a directory (what
 `runtime generate --stream DIR` does), "whole" is the call without it (diffusion forcing with `low_memory`, which
-decodes the whole video once after the last segment, as before streams; Animate decoded each segment already, and
-handed nothing out until the end). Seconds are from the call's start; runs interleaved over --repeats, medians.
+decodes the whole video once after the last segment, as before streams; Animate and Helios decode each segment or
+chunk as it ends either way, and hand nothing out until the end). Seconds are from the call's start; runs interleaved over --repeats, medians.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, repeats=2, dtypes=("bf16",))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--guidance", type=float, default=5.0)
-    p.add_argument("--loops", nargs="+", default=["forcing", "animate"], choices=["forcing", "animate"])
+    p.add_argument("--loops", nargs="+", default=["forcing", "animate", "helios"],
+                   choices=["forcing", "animate", "helios"])
 
 
 def _forcing_call(a: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
@@ -52,7 +54,14 @@ def _animate_call(a: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
         "face_video": rng.integers(0, 255, (frames, 512, 512, 3), np.uint8)}
 
 
-CALLS = {"forcing": _forcing_call, "animate": _animate_call}
+def _helios_call(a: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
+    wl = WORKLOADS["helios-1.3b"]
+    chunks = SEGMENTS - 1
+    frames = (chunks * wl.frames - 1) // 4 * 4 + 1
+    return "helios-1.3b", f"Helios, {frames} frames in {chunks} chunks of {wl.frames}", {"num_frames": frames}
+
+
+CALLS = {"forcing": _forcing_call, "animate": _animate_call, "helios": _helios_call}
 
 
 def run(a: argparse.Namespace) -> Report:
