@@ -139,21 +139,23 @@ def test_helios_bad_input_is_one_line(pipe, helios: tuple[Path, Path], tmp_path:
 
 
 @pytest.fixture(scope="module")
-def pyramids() -> dict[str, tuple[Path, Path]]:
-    """HeliosPyramidPipeline checkpoints (CFG-Zero*, and the distilled one's DMD) and their 64x64 bundles: the pyramid
-    halves the 8x8 latents twice."""
+def pyramids():  # noqa: ANN201 (variant -> (checkpoint, bundle), each made when first asked for)
+    """HeliosPyramidPipeline checkpoints (CFG-Zero*, and the distilled one's DMD) and their 64x64 bundles (the pyramid
+    halves the 8x8 latents twice), each exported when a test first asks for it (the slow tier's on its own)."""
     from export import tiny
 
-    variants = ("tiny-helios-pyramid", "tiny-helios-distilled")
-    ckpts = shared("helios-pyramid-checkpoints", lambda root: [tiny.save(v, root / v) for v in variants])
-    bundles = shared("helios-pyramid-bundles", lambda root: [run_module(
-        "export", "--model", str(ckpts / v), "--resolution", "64x64", "--frames", str(WINDOW), "--dtype", "fp32",
-        "--max-sequence-length", "16", "--out", str(root / v), "-q") for v in variants])
-    return {v: (ckpts / v, bundles / v) for v in variants}
+    def get(variant: str) -> tuple[Path, Path]:
+        ckpt = shared(f"{variant}-checkpoint", lambda root: tiny.save(variant, root / variant)) / variant
+        bundle = shared(f"{variant}-bundle", lambda root: run_module(
+            "export", "--model", str(ckpt), "--resolution", "64x64", "--frames", str(WINDOW), "--dtype", "fp32",
+            "--max-sequence-length", "16", "--out", str(root / variant), "-q")) / variant
+        return ckpt, bundle
+
+    return get
 
 
 @pytest.mark.parametrize("variant, steps, guidance, extra", [
-    ("tiny-helios-pyramid", (1, 2, 3), 5.0, {}),  # CFG-Zero*, its first step zero
+    pytest.param("tiny-helios-pyramid", (1, 2, 3), 5.0, {}, marks=pytest.mark.slow),  # CFG-Zero*, its first step 0
     ("tiny-helios-distilled", (2, 1, 2), 1.0, {"is_amplify_first_chunk": True}),  # DMD, the first chunk doubled
 ])
 def test_pyramid_matches_diffusers(pyramids, variant: str, steps: tuple[int, ...], guidance: float,
@@ -165,7 +167,7 @@ def test_pyramid_matches_diffusers(pyramids, variant: str, steps: tuple[int, ...
     import runtime
     from diffusers import HeliosPyramidPipeline
 
-    ckpt, bundle = pyramids[variant]
+    ckpt, bundle = pyramids(variant)
     ref = HeliosPyramidPipeline.from_pretrained(str(ckpt), dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     forward = ref.transformer.forward  # (its output is not contiguous, and CFG-Zero* .view()s it: fails on CPU)
