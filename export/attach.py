@@ -63,8 +63,9 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
         checker(path, manifest.weights[group], group, set(computed[group]))
     merges = list(merges or [])
     if merges and prequantized and manifest.quantize:
-        raise UserError("--merge-lora cannot merge into a pre-quantized --dit-weights file: merge the LoRA at load "
-                        "instead (python -m export --lora, then --lora ADAPTER on the runtime)")
+        raise UserError(f"--merge-lora cannot merge into this {manifest.quantize} bundle's DiT taken from --dit-weights "
+                        "(its weights are stored quantized as they are read): merge the LoRA at load instead "
+                        "(python -m export --lora, then --lora ADAPTER on the runtime)")
     adapters = read_merges(merges, {g: {k: t.shape for k, t in manifest.weights[g].tensors.items()}
                                     for g in experts}) if merges else []
     run_defaults = manifest.defaults

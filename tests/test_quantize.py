@@ -330,18 +330,21 @@ def test_lightx2v_checkpoints_attach_as_export_quantizes(kind_checkpoints, quant
 
 
 def test_prequantized_file_that_does_not_match_is_one_line(kind_checkpoints, tmp_path, capsys) -> None:
-    """A file of another mode, an unquantized one, a missing expert or a mismatched --quantize: exit 2, one line
-    naming the tensor or the flag, and the bundle still has no weights."""
+    """A file of another mode, an unquantized one, a missing expert, a mismatched --quantize, or a LoRA to merge into
+    files stored quantized: exit 2, one line naming the tensor or the flag, and the bundle still has no weights."""
     ckpt = kind_checkpoints["t2v-moe"]
     bundle = _int8_programs(ckpt, tmp_path / "bundle")
     fp8 = [lightx2v_file(ckpt, g, tmp_path / f"{g}-fp8.safetensors", "fp8") for g in ("transformer", "transformer_2")]
     plain = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", None) for g in ("transformer", "transformer_2")]
+    int8 = [lightx2v_file(ckpt, g, tmp_path / f"{g}-int8.safetensors", "int8") for g in ("transformer", "transformer_2")]
     layer = r"tensor blocks\.0\.(self|cross)_attn\.[qkvo]\.weight"
     cases = [
         ([*fp8], [], layer + " is float8_e4m3fn but this --quantize int8 bundle"),
         ([*plain], [], layer + " is float32 but this --quantize int8 bundle"),
         ([fp8[0]], [], r"has 2 DiT expert\(s\) .*give --dit-weights once per expert"),
         ([], ["--quantize", "fp8"], r"was exported with --quantize int8 .*attach with --quantize int8"),
+        ([*int8], ["--merge-lora", str(int8[0])], r"--merge-lora cannot merge into this int8 bundle's DiT taken from "
+                                                   r"--dit-weights .*merge the LoRA at load instead"),
     ]
     from export.__main__ import main
 
