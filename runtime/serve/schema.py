@@ -178,7 +178,8 @@ class Field:
             lo, hi = self.bounds(offer)
             n = _bound(self.max_items, offer)
             if form:
-                return {"type": "string", "pattern": rf"^[0-9]{{1,6}}(,[0-9]{{1,6}}){{{n - 1}}}$",
+                number = "(0|[1-9][0-9]{0,5})"  # as _number reads a form's integer: no leading zeros
+                return {"type": "string", "pattern": rf"^{number}(,{number}){{{n - 1}}}$",
                         "description": self.description}
             return {"type": "array", "items": {"type": "integer", "minimum": lo, "maximum": hi}, "minItems": n,
                     "maxItems": n, "description": self.description}
@@ -231,8 +232,8 @@ class Field:
             numbers = [_number(v, True, form) for v in items] if isinstance(items, list) else None
             if numbers is None or len(numbers) != n or any(v is None or isinstance(v, bool) or v < lo or v > hi
                                                            for v in numbers):
-                what = "comma-separated integers" if form else "a list of integers"
-                raise ApiError(400, f"{self.name} must be {n} {what} in {lo}..{hi}, got {value!r}", self.name)
+                what = f"{n} comma-separated integers" if form else f"a list of {n} integers"
+                raise ApiError(400, f"{self.name} must be {what} in {lo}..{hi}, got {value!r}", self.name)
             return [int(v) for v in numbers]
         if self.type == "numbers":  # a form's text: comma-separated decimals (_SIGMAS_TEXT)
             text = sigmas_text(_bound(self.max_items, offer))
