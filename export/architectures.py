@@ -193,3 +193,26 @@ ARCHITECTURES.update({
         stage_range=[0, 1 / 3, 2 / 3, 1], gamma=1 / 3, prediction_type="flow_prediction", use_flow_sigmas=True,
         use_dynamic_shifting=True, time_shift_type="linear"), is_distilled=True),
 })
+
+# ChronoEdit (nvidia/ChronoEdit-14B-Diffusers, a ChronoEditPipeline): Wan2.1-I2V-14B's DiT, CLIP and VAE, the DiT as
+# ChronoEditTransformer3DModel (rope_temporal_skip_len 8: 2 latent frames at temporal positions 0 and 7). UniPC at
+# flow shift 5, what ChronoEdit's own scripts/run_inference_diffusers.py sets on the checkpoint's UniPC config (the
+# hub's scheduler config was not readable here; a bundle's default shift is one --defaults flow_shift=... away).
+ARCHITECTURES["chronoedit-14b"] = _arch("ChronoEditPipeline", "nvidia/ChronoEdit-14B-Diffusers",
+                                        _transformer(40, 13824, 40, **_I2V_14B, rope_temporal_skip_len=8),
+                                        flow_shift=5.0, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR)
+
+# AnyFlow (nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers, an AnyFlowPipeline): AnyFlowTransformer3DModel's defaults are the
+# released 14B's (Wan 2.1 T2V-14B's widths, the delta embedder gated at 0.25 on r); FlowMapEulerDiscreteScheduler at
+# the Wan 2.1 shift of 5 (the hub's scheduler config was not readable here: attaching the checkpoint's weights checks
+# every tensor, and a bundle's default shift is one --defaults flow_shift=... away).
+ARCHITECTURES.update({
+    "anyflow-wan2.1-t2v-14b": dict(
+        pipeline="AnyFlowPipeline", hub_id="nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers",
+        transformer=dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                         out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                         cross_attn_norm=True, eps=1e-6, image_dim=None, rope_max_seq_len=1024, gate_value=0.25,
+                         deltatime_type="r"),
+        vae={}, text_encoder=_UMT5_XXL,
+        scheduler=dict(_class_name="FlowMapEulerDiscreteScheduler", num_train_timesteps=1000, shift=5.0)),
+})

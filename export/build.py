@@ -565,6 +565,8 @@ def conditioning_inputs(kind: Kind, geo: Geometry, module: Any = None, chunks: C
         shapes["control_scale"] = (len(module.config.vace_layers),)
     if kind.forcing:  # re-noise for pinned frames and its share per frame, the frames that step, causal blocks, fps
         shapes.update(noise=(b, z, t, h, w), blend=(t,), update=(t,), causal_block=(), fps=())
+    if kind.flow_map:  # a given video's first latent frames over every frame (mask 0 there), each frame's target time
+        shapes.update(condition=(b, z, t, h, w), r_timestep=(t,))
     if kind.helios:  # the clean history (the first frame, then the long, mid and short history's), the guidance
         shapes.update(history=(b, z, 1 + sum((chunks or Chunks()).history_sizes), h, w), cfg_mode=())
     if kind.animate:  # the pose latents of the video's frames; the face_motion program's vectors, for cond and uncond

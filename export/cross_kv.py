@@ -229,7 +229,7 @@ def block_precomputed(block: Any, env: Any, kv: jax.Array, n_img: int, pad_rows:
     _returns(a.to_v, rows(kv[1, :, :, n_img:]), patched)
     a.norm_k.forward = lambda x: x
     patched.append(a.norm_k)
-    if a.add_k_proj is not None:
+    if getattr(a, "add_k_proj", None) is not None:  # (AnyFlow's attention has no image projections)
         _returns(a.add_k_proj, rows(kv[0, :, :, :n_img]), patched)
         _returns(a.add_v_proj, rows(kv[1, :, :, :n_img]), patched)
         a.norm_added_k.forward = lambda x: x

@@ -62,6 +62,8 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         return build_forcing(ex, order, dtype, text_tokens, patch, variant)
     if kind.helios:
         return build_helios(ex, order, dtype, text_tokens, history_sizes, variant)
+    if kind.flow_map:
+        return build_flow_map(ex, order, dtype, text_tokens, variant)
     copies = 2 if variant.cfg else 1
 
     def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array,
@@ -258,6 +260,88 @@ def build_helios(ex: Extracted, order: int, dtype: Any, text_tokens: int, histor
         return new_state, jnp.all(jnp.isfinite(new_state[0]))
 
     return step
+
+
+def build_flow_map(ex: Extracted, order: int, dtype: Any, text_tokens: int,
+                   variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn(weights, state, kv, timestep, guidance, row, condition, mask, r_timestep) -> (new state, all-finite flag):
+    one step of AnyFlow (diffusers' AnyFlowPipeline's loop body: its [neg, pos] batch as ours [pos, neg]).
+
+    state, kv, timestep, guidance as `build`'s; row the flow map's (runtime/samplers.py "flowmap": m = x - (sigma_t -
+    sigma_r) u is the new latents); condition float32 (B, z, T, H, W) and mask float32 (1, 1, T, H, W): the DiT sees
+    the condition's frames where mask is 0 (a given video's first latent frames, whose timestep is 0), the latents
+    where it is 1; r_timestep float32 (T,): each frame's target timestep. The transformer takes frames first (B, T,
+    C, H, W) and a timestep per frame; its RoPE is complex128 in diffusers, here the same angles as real cos/sin
+    (`real_rope`)."""
+    copies = 2 if variant.cfg else 1
+
+    def step(weights: dict[str, Any], state: jax.Array, kv: jax.Array, timestep: jax.Array, guidance: jax.Array,
+             row: jax.Array, condition: jax.Array, mask: jax.Array, r_timestep: jax.Array) -> tuple[jax.Array, ...]:
+        x = state[0]
+        b, frames = x.shape[0], x.shape[2]
+        model_x = (1.0 - mask) * condition + mask * x  # as diffusers' latent_model_input[:, :context] = video_latents
+        model_in = jnp.swapaxes(jnp.concatenate([model_x] * copies).astype(dtype), 1, 2)
+        n = copies * b
+        t = jnp.broadcast_to(mask[0, 0, :, 0, 0] * timestep, (n, frames))
+        r = jnp.broadcast_to(r_timestep, (n, frames))
+        args = (model_in, t, r, jnp.zeros((n, text_tokens, 0), dtype))
+        with cross_kv.precomputed(ex.module, ex.env, kv[:, :, :n], text_tokens), real_rope(ex.module, ex.env):
+            out = jnp.swapaxes(ex.fn(weights, args, {"return_dict": False})[0], 1, 2)
+        if variant.cfg:  # as diffusers, when g > 1: noise_uncond + g * (noise_pred - noise_uncond)
+            cond, uncond = out[:b], out[b:]
+            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
+        else:
+            v = out.astype(jnp.float32)
+        new_state = sampler_update(state, v, row, order)
+        return new_state, jnp.all(jnp.isfinite(new_state[0]))
+
+    return step
+
+
+def rope_angles(head_dim: int, frames: int, height: int, width: int, max_seq_len: int, theta: float = 10000.0
+                ) -> np.ndarray:
+    """AnyFlowRotaryPosEmbed's angles, float64 (frames x height x width tokens, head_dim / 2): per axis
+    get_1d_rotary_pos_embed's outer(position, theta^(-2i/d)), over t, h, w channels of sizes d - 2(d//6)x2, 2(d//6),
+    2(d//6) (halved: one angle per channel pair)."""
+    hw = 2 * (head_dim // 6)
+    tables = [np.outer(np.arange(max_seq_len, dtype=np.float64),
+                       1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)) for d in (head_dim - 2 * hw, hw, hw)]
+    grid = np.meshgrid(np.arange(frames), np.arange(height), np.arange(width), indexing="ij")
+    return np.concatenate([tab[pos.reshape(-1)] for tab, pos in zip(tables, grid)], axis=1)
+
+
+@contextlib.contextmanager
+def real_rope(module: Any, env: Any) -> Any:
+    """While active, AnyFlow's RoPE is applied as real cos/sin of its float64 angles (float32, the rotation in
+    float32), not as diffusers' complex128 product, which JAX without x64 cannot hold: the same rotation of each
+    channel pair (x0 cos - x1 sin, x0 sin + x1 cos)."""
+    import torch
+    from diffusers.models.transformers import transformer_anyflow
+
+    rope = module.rope
+
+    def forward(layout_cfg: dict[str, Any], device: Any = None) -> dict[str, Any]:
+        h, w = layout_cfg["full_frame_shape"]
+        angles = rope_angles(rope.attention_head_dim, layout_cfg["total_frames"], h, w, rope.max_seq_len, rope.theta)
+        cos, sin = (env.j2t_iso(jnp.asarray(f(angles)[None, None], jnp.float32)) for f in (np.cos, np.sin))
+        return {"query": (cos, sin), "key": (cos, sin)}
+
+    def rotate(hidden_states: Any, freqs: tuple[Any, Any]) -> Any:
+        cos, sin = freqs
+        x = hidden_states.float().unflatten(3, (-1, 2))
+        x0, x1 = x[..., 0], x[..., 1]
+        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3, 4)
+        return out.type_as(hidden_states)
+
+    saved = transformer_anyflow.apply_rotary_emb
+    rope.forward = forward
+    transformer_anyflow.apply_rotary_emb = rotate
+    try:
+        yield
+    finally:
+        transformer_anyflow.apply_rotary_emb = saved
+        del rope.forward
 
 
 @contextlib.contextmanager

@@ -136,6 +136,10 @@ def transformer_class(kind: Kind) -> Any:
         return diffusers.SkyReelsV2Transformer3DModel
     if kind.dit == "helios":
         return diffusers.HeliosTransformer3DModel
+    if kind.dit == "anyflow":
+        return diffusers.AnyFlowTransformer3DModel
+    if kind.dit == "chronoedit":
+        return diffusers.ChronoEditTransformer3DModel
     if kind.animate:
         return diffusers.WanAnimateTransformer3DModel
     return diffusers.WanVACETransformer3DModel if kind.vace else diffusers.WanTransformer3DModel
@@ -228,6 +232,8 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
                                                       "WanAnimatePipeline": "animate_transformer",
                                                       "HeliosPipeline": "helios_transformer",
                                                       "HeliosPyramidPipeline": "helios_transformer",
+                                                      "ChronoEditPipeline": "chronoedit_transformer",
+                                                      "AnyFlowPipeline": "anyflow_transformer",
                                                       **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
@@ -337,6 +343,10 @@ SKYREELS_PIPELINES = {"SkyReelsV2Pipeline": "skyreels-t2v", "SkyReelsV2ImageToVi
 PIPELINES.update({name: "skyreels" for name in SKYREELS_PIPELINES})
 # Helios (runtime/kinds.py's helios row; runtime/helios.py): text, image or video in, chunks of any count.
 PIPELINES.update(HeliosPipeline="helios", HeliosPyramidPipeline="helios")
+# ChronoEdit (runtime/kinds.py's chronoedit row; runtime/chronoedit.py): Wan 2.1 I2V with its own RoPE, an image edit.
+PIPELINES.update(ChronoEditPipeline="chronoedit")
+# AnyFlow (runtime/kinds.py's anyflow row): a flow-map Wan 2.1 T2V; AnyFlowFARPipeline (causal chunks) is not one.
+PIPELINES.update(AnyFlowPipeline="anyflow")
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
@@ -347,6 +357,20 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
         return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
     if PIPELINES[pipeline] == "helios":
         return detect_helios(pipeline, two_experts or image_encoder, options or {}, scheduler or {}, where)
+    if PIPELINES[pipeline] == "anyflow":
+        if two_experts or image_encoder:
+            raise UserError(f"{where}: AnyFlow with two experts or an image encoder is not a configuration wan-aot "
+                            "knows (nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers has one transformer and no image encoder)")
+        if (scheduler or {}).get("_class_name", "FlowMapEulerDiscreteScheduler") != "FlowMapEulerDiscreteScheduler":
+            raise UserError(f"{where}: AnyFlow's transformer predicts mean velocities, which only "
+                            f"FlowMapEulerDiscreteScheduler steps; this one has {(scheduler or {}).get('_class_name')}")
+        return "anyflow"
+    if PIPELINES[pipeline] == "chronoedit" or transformer.get("_class_name") == "ChronoEditTransformer3DModel":
+        if two_experts or not image_encoder:  # (its RoPE is the transformer class's: either name says ChronoEdit)
+            raise UserError(f"{where}: ChronoEdit with two experts or without a CLIP image_encoder is not a "
+                            "configuration wan-aot knows (nvidia/ChronoEdit-14B-Diffusers has one transformer and "
+                            "CLIP)")
+        return "chronoedit"
     if PIPELINES[pipeline] == "lucy":  # Lucy Edit: TI2V-5B's DiT (expand_timesteps) on [noise, source video latents]
         if two_experts or image_encoder:
             raise UserError(f"{where}: Lucy Edit with two experts or an image encoder is not a configuration wan-aot "
@@ -440,7 +464,9 @@ def check_consistent(src: Source) -> None:
 def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
     """The complete diffusers config (defaults filled in) of a component built from `args`."""
     from diffusers import (
+        AnyFlowTransformer3DModel,
         AutoencoderKLWan,
+        ChronoEditTransformer3DModel,
         HeliosTransformer3DModel,
         SkyReelsV2Transformer3DModel,
         WanAnimateTransformer3DModel,
@@ -450,7 +476,9 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
 
     cls = {"transformer": WanTransformer3DModel, "vace_transformer": WanVACETransformer3DModel,
            "animate_transformer": WanAnimateTransformer3DModel, "skyreels_transformer": SkyReelsV2Transformer3DModel,
-           "helios_transformer": HeliosTransformer3DModel, "vae": AutoencoderKLWan}[component]
+           "helios_transformer": HeliosTransformer3DModel,
+           "chronoedit_transformer": ChronoEditTransformer3DModel, "anyflow_transformer": AnyFlowTransformer3DModel,
+           "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     return {**defaults, **args, "_class_name": cls.__name__}

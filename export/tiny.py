@@ -107,6 +107,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Wan2.2-I2V-A14B: no CLIP, two experts.
     "tiny-i2v-moe": dict(transformer={**_DIT, "in_channels": 36}, vae=_VAE, text_encoder=_UMT5, flow_shift=3.0,
                          pipeline="i2v", experts=2, boundary_ratio=0.9),
+    # ChronoEdit (nvidia/ChronoEdit-14B-Diffusers): tiny-i2v's parts, the DiT a ChronoEditTransformer3DModel (2 latent
+    # frames at temporal RoPE positions 0 and 7), in a ChronoEditPipeline.
+    "tiny-chronoedit": dict(transformer={**_I2V_DIT, "rope_temporal_skip_len": 8}, vae=_VAE, text_encoder=_UMT5,
+                            flow_shift=5.0, pipeline="chronoedit", image_encoder=_CLIP),
 }
 
 # SkyReels-V2 in miniature (SkyReelsV2Transformer3DModel, the Wan 2.1 shapes above): text-to-video, image-to-video
@@ -139,6 +143,14 @@ VARIANTS["tiny-helios-pyramid"] = dict(
 VARIANTS["tiny-helios-distilled"] = dict(
     VARIANTS["tiny-helios"], pipeline="helios-pyramid", options=dict(is_distilled=True), dmd=True,
     scheduler=dict(stages=3, gamma=0.3, use_dynamic_shifting=True, shift=1.0, time_shift_type="linear"))
+
+# AnyFlow (nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers) in miniature: AnyFlowTransformer3DModel (Wan 2.1's blocks, the
+# delta embedder on r gated at 0.25) and FlowMapEulerDiscreteScheduler at the Wan 2.1 shift.
+VARIANTS["tiny-anyflow"] = dict(
+    transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                     out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                     rope_max_seq_len=32, gate_value=0.25, deltatime_type="r"),
+    vae=_VAE, text_encoder=_UMT5, pipeline="anyflow", scheduler=dict(shift=5.0))
 
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
 
@@ -215,16 +227,21 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         HeliosTransformer3DModel,
     )
 
+    from diffusers import ChronoEditPipeline, ChronoEditTransformer3DModel
+
     helios = pipeline in ("helios", "helios-pyramid")
-    dit = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,
-           "helios-pyramid": HeliosTransformer3DModel,
+    from diffusers import AnyFlowPipeline, AnyFlowTransformer3DModel, FlowMapEulerDiscreteScheduler
+
+    dit = {"anyflow": AnyFlowTransformer3DModel, "vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,
+           "helios-pyramid": HeliosTransformer3DModel, "chronoedit": ChronoEditTransformer3DModel,
            **dict.fromkeys(SKYREELS_PIPELINES, SkyReelsV2Transformer3DModel)}.get(pipeline, WanTransformer3DModel)
     torch.manual_seed(1)
     transformer = dit(**spec["transformer"]).eval()
     torch.manual_seed(2)
     vae = AutoencoderKLWan(**spec["vae"]).eval()
     helios_scheduler = HeliosDMDScheduler if spec.get("dmd") else HeliosScheduler
-    scheduler = helios_scheduler(**spec["scheduler"]) if helios else UniPCMultistepScheduler(
+    scheduler = helios_scheduler(**spec["scheduler"]) if helios else \
+        FlowMapEulerDiscreteScheduler(**spec["scheduler"]) if pipeline == "anyflow" else UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=spec["flow_shift"], solver_order=2, solver_type="bh2", lower_order_final=True,
         final_sigmas_type="zero",
@@ -246,6 +263,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         parts["expand_timesteps"] = True
     if pipeline == "helios":
         return HeliosPipeline(**parts)
+    if pipeline == "anyflow":
+        return AnyFlowPipeline(**parts)
     if pipeline == "helios-pyramid":
         return HeliosPyramidPipeline(**parts, **spec.get("options", {}))
     if pipeline == "lucy":
@@ -267,7 +286,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
             crop_size={"height": cfg["image_size"], "width": cfg["image_size"]},
             resample=3, do_center_crop=True, do_normalize=True, do_rescale=True, do_resize=True, do_convert_rgb=True,
             image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
-    cls = {"animate": WanAnimatePipeline, "skyreels-i2v": SkyReelsV2ImageToVideoPipeline}.get(pipeline,
+    cls = {"animate": WanAnimatePipeline, "skyreels-i2v": SkyReelsV2ImageToVideoPipeline,
+           "chronoedit": ChronoEditPipeline}.get(pipeline,
                                                                                           WanImageToVideoPipeline)
     return cls(**parts)
 

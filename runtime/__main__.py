@@ -41,9 +41,11 @@ def _denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance-2", type=float, default=None,
                    help="guidance of the second (low-noise) expert of a two-expert model (default: --guidance)")
     p.add_argument("--flow-shift", type=float, default=None, help="flow shift (default: the bundle's)")
-    p.add_argument("--sampler", default=None, metavar="unipc|euler|dpm++",
+    p.add_argument("--sampler", default=None, metavar="unipc|euler|dpm++|flowmap",
                    help="unipc (UniPCMultistepScheduler), euler (FlowMatchEulerDiscreteScheduler) or dpm++ "
-                        "(DPMSolverMultistepScheduler, 2M): any of them on the same programs (default: the bundle's)")
+                        "(DPMSolverMultistepScheduler, 2M): any of them on the same programs; a flow-map model "
+                        "(AnyFlow) runs flowmap (FlowMapEulerDiscreteScheduler) or euler (the same update, r = t) "
+                        "(default: the bundle's)")
     p.add_argument("--sigmas", default=None, metavar="S1,S2,...",
                    help="custom noise levels, one per step, before the flow shift (e.g. lightx2v's 4 steps: "
                         "1,0.75,0.5,0.25); they set --steps (default: the bundle's, with its default steps)")

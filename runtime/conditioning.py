@@ -133,6 +133,13 @@ def encode_videos(kind: Kind, g: Geometry, video: list[Any] | None, mask: list[A
         refs = [video_input.reference_pixels(r, g.width, g.height) for r in references]
         return {"control": vace_control(g, pixels, masks, refs, call, host, chunk_frames)}
     latents = encode_video(pixels.transpose(1, 0, 2, 3), call, host, chunk_frames)
+    if kind.video == "prefix":  # AnyFlow: the video's latent frames first, pinned (mask 0), the rest generated
+        b, (_, z, t, h, w) = g.batch, latents.shape
+        condition = np.zeros((b, z, g.latent_frames, h, w), np.float32)
+        condition[:, :, :t] = latents
+        mask = np.ones((1, 1, g.latent_frames, h, w), np.float32)
+        mask[:, :, :t] = 0.0
+        return {"condition": condition, "mask": mask}
     key = "condition" if kind.channel_condition == "latents" else "video_latents"
     return {key: np.repeat(latents, g.batch, axis=0)}
 
@@ -175,9 +182,9 @@ def frame_mask(g: Geometry, has_last: bool) -> np.ndarray:
 
 
 def text_mode(kind: Kind, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """A "first_frame" kind (TI2V) without an image: zero condition, all-ones mask (every token gets the
+    """A "first_frame" kind (TI2V) without an image, a "flowmap" one (AnyFlow) without a video: zero condition, all-ones mask (every token gets the
     step's timestep, nothing is replaced); other kinds take nothing extra without an image."""
-    if kind.conditioning != "first_frame":
+    if kind.conditioning not in ("first_frame", "flowmap"):
         return {}
     return {"condition": np.zeros(shapes["condition"], np.float32), "mask": np.ones(shapes["mask"], np.float32)}
 
@@ -185,7 +192,7 @@ def text_mode(kind: Kind, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.nd
 def after_loop(kind: Kind, extras: dict[str, np.ndarray], latents: np.ndarray, g: Geometry) -> np.ndarray:
     """The denoised latents as the VAE decodes them: a "first_frame" kind's image frame is the image's latent again
     (diffusers' TI2V); the reference images' frames (VACE, Animate) are dropped."""
-    if kind.conditioning == "first_frame":
+    if kind.conditioning in ("first_frame", "flowmap"):  # (AnyFlow: the given video's latent frames)
         cond, mask = extras["condition"], extras["mask"]
         return (1.0 - mask) * cond + mask * latents
     return latents[:, :, g.reference_images:]  # VACE's reference images, Animate's reference image

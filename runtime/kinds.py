@@ -16,6 +16,8 @@ configurations map onto these rows:
     vace-moe    WanVACEPipeline + transformer_2 + boundary_ratio    Wan2.2-VACE-Fun-A14B
     animate     WanAnimatePipeline (WanAnimateTransformer3DModel)   Wan2.2-Animate-14B (segments: runtime/animate.py)
     lucy-edit   LucyEditPipeline (TI2V-5B's DiT on 2 x 48 channels)  decart-ai/Lucy-Edit-Dev (edits a source video)
+    chronoedit  ChronoEditPipeline (I2V-14B, its RoPE puts 2 latent  nvidia/ChronoEdit-14B-Diffusers (edits an image:
+                frames at 0 and 7; runtime/chronoedit.py)            the 5-frame video's last frame)
 
 SkyReels-V2 (Skywork; SkyReelsV2Transformer3DModel: Wan 2.1's DiT, its timestep sinusoid in float64, an fps embedding):
 
@@ -31,6 +33,11 @@ Helios (HeliosTransformer3DModel: Wan's blocks, with the clean history patchifie
                     chunks of any count: runtime/helios.py)
     helios-pyramid  HeliosPyramidPipeline (three stages per chunk)  BestWishYsh/Helios-Mid
     helios-distilled HeliosPyramidPipeline, is_distilled (DMD)      BestWishYsh/Helios-Distilled
+
+AnyFlow (NVIDIA; AnyFlowTransformer3DModel: Wan 2.1's DiT with a second time input r, the flow map's target):
+
+    anyflow     AnyFlowPipeline (text, or text + the video's first  nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers
+                frames to continue; any step count, 1 to 16)
 
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
@@ -64,6 +71,11 @@ Conditioning modes (how the image enters the denoising loop):
   fixed, so every chunk runs the same program. `cfg_mode` picks the guidance: 0 diffusers' CFG, 1 CFG-Zero* (the
   unconditional prediction scaled by its projection on the conditional one, HeliosPyramidPipeline's
   is_cfg_zero_star), 2 a zero prediction (its zero-init steps). The chunk loop around it is runtime/helios.py.
+- "flowmap": AnyFlow's flow map. The DiT sees [latents, with `condition`'s frames where `mask` is 0] (the given
+  video's first latent frames, pinned as AnyFlowPipeline pins them: their timestep 0), and each frame's target
+  timestep `r_timestep` beside its timestep (the next sigma x 1000 for the mean velocity, the timestep itself for
+  plain Euler); the sampler is FlowMapEulerDiscreteScheduler's z_r = z_t - (sigma_t - sigma_r) u (runtime/samplers.py
+  "flowmap"). Without a video, `condition` is zeros and `mask` ones: the same program does text-to-video.
 """
 
 from __future__ import annotations
@@ -93,8 +105,9 @@ class Kind:
     steps: int = 50  # the run defaults of diffusers' pipeline (__call__'s num_inference_steps, guidance_scale)
     guidance: float = 5.0
     video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "required" |
-    #                      "extend": a video to continue (diffusion forcing)
-    dit: str = "wan"  # "wan" | "skyreels" | "helios": the DiT's diffusers class family (export/source.py
+    #                      "extend": a video to continue (diffusion forcing) | "prefix": the video's first frames,
+    #                      4k + 1 of them, kept as they are (AnyFlow)
+    dit: str = "wan"  # "wan" | "skyreels" | "helios" | "anyflow": the DiT's diffusers class family (export/source.py
     #                   transformer_class)
     frames: int = 81  # the export's default --frames (Helios: one chunk, 9 latent frames)
 
@@ -102,7 +115,8 @@ class Kind:
     def vae_encode(self) -> str:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
         return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
-                "animate": "video", "video_concat": "video", "forcing": "video", "helios": "video"}[self.conditioning]
+                "animate": "video", "video_concat": "video", "forcing": "video", "helios": "video",
+                "flowmap": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -126,7 +140,7 @@ class Kind:
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
                 "video_concat": ("condition",), "forcing": FORCING_INPUTS,
-                "helios": ("history", "cfg_mode")}[self.conditioning]
+                "helios": ("history", "cfg_mode"), "flowmap": ("condition", "mask", "r_timestep")}[self.conditioning]
 
     @property
     def channel_condition(self) -> str:
@@ -155,6 +169,20 @@ class Kind:
         return self.conditioning == "helios"
 
     @property
+    def chronoedit(self) -> bool:
+        """ChronoEdit: an image edit made as a short video whose last frame is the edit (runtime/chronoedit.py), by
+        a DiT whose RoPE puts exactly 2 latent frames at temporal positions 0 and 7 (rope_temporal_skip_len - 1): its
+        loop runs temporal reasoning (the first steps over more frames, then the last ones on those 2), and
+        `edit_image` returns the last frame."""
+        return self.dit == "chronoedit"
+
+    @property
+    def flow_map(self) -> bool:
+        """AnyFlow: the DiT takes the step's target timestep r too, and predicts the mean velocity from t to r
+        (the "flowmap" sampler; "euler" is the same update with r = t, diffusers' use_mean_velocity=False)."""
+        return self.conditioning == "flowmap"
+
+    @property
     def any_length(self) -> bool:
         """One bundle shape makes a video of any length, in segments or chunks of it (diffusion forcing, Helios): a
         run's frame count (a job's seconds) is the video's, not a shape's."""
@@ -168,21 +196,25 @@ class Kind:
     @property
     def loop(self) -> str:
         """The loop `generate` runs (runtime/front.py): "segment" (one bundle shape, runtime/pipeline.py), "animate"
-        (runtime/animate.py), "forcing" (runtime/forcing.py) or "helios" (runtime/helios.py)."""
+        (runtime/animate.py), "forcing" (runtime/forcing.py), "helios" (runtime/helios.py) or "chronoedit"
+        (runtime/chronoedit.py: one shape, or temporal reasoning over two)."""
+        if self.chronoedit:
+            return "chronoedit"
         return "animate" if self.animate else "forcing" if self.forcing else "helios" if self.helios else "segment"
 
     @property
     def variants(self) -> tuple[str, ...]:
         """The denoise variants (DENOISE_VARIANTS) a bundle of this kind holds: all, but diffusion forcing's steps have
         no MagCache ones (its per-frame timesteps give MagCache's per-step schedule nothing to go by)."""
-        return ("cfg", "cond") if self.forcing or self.helios else tuple(DENOISE_VARIANTS)
+        return ("cfg", "cond") if self.forcing or self.helios or self.flow_map else tuple(DENOISE_VARIANTS)
 
     @property
     def block_loop(self) -> bool:
         """The DiT's steps run as a block loop (export/denoise_blocks.py). Not Animate's: its face adapters run
         between the blocks (after every 5th), not in them, so each of its steps is one program; nor Helios' (its
-        history tokens and their timestep-0 modulation are its own), one program per step too."""
-        return not self.animate and not self.helios
+        history tokens and their timestep-0 modulation are its own), one program per step too; nor AnyFlow's (its
+        blocks are AnyFlowTransformer3DModel's, its time embedding two)."""
+        return not self.animate and not self.helios and not self.flow_map
 
     @property
     def kv_inputs(self) -> tuple[str, ...]:
@@ -222,6 +254,10 @@ class Kind:
         return tuple(out)
 
 
+# Denoise inputs that change every step, which the loop computes (not the run's conditioning): a flow-map model's
+# per-frame target timestep.
+STEP_INPUTS = ("r_timestep",)
+
 # Diffusion forcing's step inputs after (state, kv, timestep, guidance, row), kind.conditioning_inputs: the Gaussian
 # noise of re-noised prefix frames (B, z, T, h, w) and each frame's share of it (T,), each frame's update flag (T,),
 # the causal block size (int32; <= 1: full attention) and the frame rate (int32; the DiT's fps embedding).
@@ -250,6 +286,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     # Lucy Edit (Decart): an instruction edits a source video; its latents beside the noise at every step.
     Kind("lucy-edit", "Lucy Edit (video editing from an instruction)", experts=1, image="none", last_image=False,
          image_encoder=False, conditioning="video_concat", fps=24, video="required"),
+    # ChronoEdit (NVIDIA; diffusers' ChronoEditPipeline): Wan2.1-I2V-14B with ChronoEditTransformer3DModel's RoPE; an
+    # image edit as a 5-frame video (2 latent frames) whose last frame is the edit, optionally after temporal
+    # reasoning over more frames (runtime/chronoedit.py). Run defaults: ChronoEditPipeline.__call__'s.
+    Kind("chronoedit", "ChronoEdit (image editing: a short video whose last frame is the edit)", experts=1,
+         image="required", last_image=False, image_encoder=True, conditioning="concat", dit="chronoedit", frames=5),
     # SkyReels-V2 (Skywork): Wan 2.1's DiT fine-tuned; diffusers' SkyReelsV2 pipelines and their run defaults.
     Kind("skyreels-t2v", "SkyReels-V2 text-to-video", experts=1, image="none", last_image=False, image_encoder=False,
          conditioning="none", fps=24, guidance=6.0, dit="skyreels"),
@@ -274,6 +315,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("helios-distilled", "Helios distilled (pyramid stages of a few DMD steps)", experts=1, image="optional",
          last_image=False, image_encoder=False, conditioning="helios", fps=24, steps=2, guidance=1.0,
          video="extend", dit="helios", frames=33),
+    # AnyFlow (NVIDIA; diffusers' AnyFlowPipeline): a flow-map distilled Wan 2.1 T2V, any step count from one checkpoint;
+    # its run defaults: 4 steps (1 to 16 sample well), no guidance (CFG is distilled into the weights).
+    Kind("anyflow", "AnyFlow text-to-video (any step count; continues a video's first frames)", experts=1,
+         image="none", last_image=False, image_encoder=False, conditioning="flowmap", steps=4, guidance=1.0,
+         video="prefix", dit="anyflow"),
 )}
 
 

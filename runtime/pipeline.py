@@ -111,6 +111,8 @@ class Pipeline:
         """The shape a run with these video inputs makes: `video`'s frame count is the shape's frames (it must agree
         with `frames`), and a VACE bundle's shape has as many reference image frames as `reference_images`.
         UserError naming what the bundle makes otherwise."""
+        if video is not None and self.kind.video == "prefix":  # the video's frames start the shape's (AnyFlow)
+            return self.shape(size, frames)
         if video is not None:
             n = len(video)
             if frames is not None and frames != n:
@@ -236,6 +238,12 @@ class Pipeline:
 
     def _check_videos(self, g: mf.Geometry, media: dict[str, Any]) -> None:
         video, mask = media["video"], media["mask"]
+        if video is not None and self.kind.video == "prefix":
+            n, scale = len(video), g.temporal_scale
+            if n % scale != 1 or n >= g.frames:
+                raise UserError(f"the video has {n} frames: give the first frames to continue, 4k+1 of them (1, 5, "
+                                f"9, ...) and fewer than the {g.frames} this run makes at {g.size}")
+            return
         if video is not None and len(video) != g.frames:
             raise UserError(f"the video has {len(video)} frames; this bundle makes {g.frames} at {g.size}: its shapes "
                             f"are {self.manifest.shapes_text()}")
@@ -332,7 +340,7 @@ class Pipeline:
         specs = dict(programs[self._at(kinds.denoise_program(0), g)].inputs)
         if self.precomputes_kv():
             specs.update(programs[kinds.cross_kv_program(0)].inputs)
-        if self.kind.conditioning == "first_frame" and "condition" not in embeds:  # TI2V as text-to-video
+        if self.kind.conditioning in ("first_frame", "flowmap") and "condition" not in embeds:  # as text-to-video
             embeds = {**embeds, **conditioning.text_mode(self.kind, {k: v.shape for k, v in specs.items()})}
         if self.kind.vace:
             scale = 1.0 if conditioning_scale is None else conditioning_scale
@@ -341,6 +349,8 @@ class Pipeline:
             raise UserError(f"conditioning_scale is for VACE models; this bundle is {self.kind.title}")
         out = {}
         for name in self.kind.denoise_extras:
+            if name in kinds.STEP_INPUTS:  # the loop's, per step
+                continue
             if name not in embeds:
                 what = "video inputs" if self.kind.vace else "video (--video / video=...)" \
                     if self.kind.video == "required" else "image (--image / image=...)"
@@ -482,7 +492,11 @@ class Pipeline:
                  calibration: list[float] | None = None, size: Size = None, frames: int | None = None,
                  stop_after: int | None = None, sampler: str | None = None,
                  sigmas: Sequence[float] | None = None, conditioning_scale: Any = None, strength: float | None = None,
-                 noise: np.ndarray | None = None, on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+                 noise: np.ndarray | None = None, on_preview: Callable[[np.ndarray], None] | None = None,
+                 resume: tuple[int, np.ndarray] | None = None) -> np.ndarray:
+        # `resume` (step i, state): run steps i.. of this schedule from that whole scheduler state (what `stop_after`
+        # returns, possibly of another shape's run: runtime/chronoedit.py's temporal reasoning goes on from K steps
+        # over N frames with the state's rows cut to 2 latent frames, as diffusers trims UniPC's history).
         s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
         if magcache is not None and not isinstance(magcache, MagCache):
             raise UserError("magcache must be a runtime.MagCache (e.g. MagCache(ratios=[...]))")
@@ -498,6 +512,13 @@ class Pipeline:
                                 f"this bundle needs {list(g.embeds_shape)}")
         extras = self._conditioning(embeds, g, conditioning_scale)
         plan = s.plan(self.scheduler_config, start)
+        begin, resumed = (0, None) if resume is None else (int(resume[0]), np.asarray(resume[1], np.float32))
+        if resumed is not None:
+            want = (scheduler.state_rows(self.scheduler_config.solver_order), *g.latent_shape)
+            if latents is not None or not 0 < begin < len(plan.timesteps) or resumed.shape != want:
+                raise ValueError(f"resume takes a step in 1..{len(plan.timesteps) - 1} and a state of shape "
+                                 f"{list(want)}, without latents")
+            latents = resumed[0]
         if latents is None and "video_latents" in embeds:  # video-to-video: the video's latents, noised
             latents = conditioning.noised(self._video_latents(embeds, g), self._noise(noise, s.seed, g),
                                           float(plan.sigmas[0]))
@@ -511,14 +532,16 @@ class Pipeline:
         programs = self.step_programs(run, plan.timesteps, s, magcache, g)
         timestep_of = self._timestep_cast(programs[0], s)
         order = self.scheduler_config.solver_order
-        state = np.zeros((scheduler.state_rows(order), *g.latent_shape), np.float32)
+        state = np.zeros((scheduler.state_rows(order), *g.latent_shape), np.float32) if resumed is None else resumed
         state[0] = latents
         prompt = np.asarray(embeds["prompt_embeds"], np.float32)
         contexts = {True: np.concatenate([prompt, embeds["negative_prompt_embeds"]]).astype(np.float32),
                     False: prompt}
         with_kv = self.precomputes_kv()
         rows = self.text_rows(contexts[True], programs) if with_kv else None
-        step_extras = self.kind.conditioning_inputs if with_kv else self.kind.denoise_extras
+        step_extras = [n for n in (self.kind.conditioning_inputs if with_kv else self.kind.denoise_extras)
+                       if n not in kinds.STEP_INPUTS]
+        r_timesteps = self._r_timesteps(plan, s, extras, timestep_of) if self.kind.flow_map else None
         # The state and conditioning are placed once (as the first program wants them; the variants share their
         # layout) and shared by the experts.
         first = dict(zip(self._inputs(programs[0]), self.bundle.call_shardings(programs[0]), strict=True))
@@ -529,7 +552,8 @@ class Pipeline:
         residual = norms = None
         expert_before = -1
         preview = self._previewer(g) if on_preview is not None else None
-        for i in tqdm(range(run), desc="denoising", unit="step", disable=not progress or not is_primary()):
+        for i in tqdm(range(begin, run), initial=begin, total=run, desc="denoising", unit="step",
+                      disable=not progress or not is_primary()):
             name = programs[i]
             variant = kinds.denoise_variant(name)
             e = self.expert_of(float(plan.timesteps[i]))
@@ -541,7 +565,8 @@ class Pipeline:
                     contexts_dev[text] = put(contexts[variant.cfg], self.bundle.input_shardings(name)[1])
             values = {"state": state_dev, "kv": contexts_dev[text], "context": contexts_dev[text],
                       "timestep": timestep_of(plan.timesteps[i]), "guidance": guidances[e], "row": plan.coeffs[i],
-                      **extras_dev, "residual": residual}
+                      **extras_dev, "residual": residual,
+                      "r_timestep": None if r_timesteps is None else r_timesteps[i]}
             outs = self.bundle.call(name)(*[values[n] for n in self._inputs(name)])
             state_dev, finite = outs[0], outs[1]
             if variant.residual == "out":
@@ -561,6 +586,18 @@ class Pipeline:
                 return fetch(state_dev).astype(np.float32)  # every row of the scheduler's state
         out = fetch(state_dev)[0].astype(np.float32)
         return conditioning.after_loop(self.kind, extras, out, g)
+
+    @staticmethod
+    def _r_timesteps(plan: scheduler.Plan, s: DenoiseSettings, extras: dict[str, np.ndarray],
+                     timestep_of: Callable[[float], Any]) -> list[np.ndarray]:
+        """A flow-map model's target timestep of each frame at each step (T,): the next sigma x 1000 (the mean
+        velocity's r; 0 after the last step), or with sampler euler the frame's own timestep (AnyFlowPipeline's
+        use_mean_velocity=False, whose r_timestep is its timestep tensor, zeroed on the given frames with it)."""
+        frames = extras["mask"][0, 0, :, 0, 0]
+        ts = [float(t) for t in plan.timesteps]
+        return [np.asarray([timestep_of(r * m if not s.mean_velocity else r) for m in frames], np.float32)
+                for r in ((ts[i + 1] if i + 1 < len(ts) else 0.0) if s.mean_velocity else ts[i]
+                          for i in range(len(ts)))]
 
     def start_step(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None) -> int:
         """The first of the schedule's steps a run takes: 0, or for video-to-video (embeds with `video_latents`) the

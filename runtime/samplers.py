@@ -12,6 +12,14 @@ xc_i = x_i) and write their whole update into the predictor part.
     euler   FlowMatchEulerDiscreteScheduler (shift)                         sigma x 1000, a float
     dpm++   DPMSolverMultistepScheduler (flow_prediction, use_flow_sigmas,  int(sigma x 1000)
             dpmsolver++, order 2, midpoint)
+    flowmap FlowMapEulerDiscreteScheduler (shift; AnyFlow only)             sigma x 1000, a float, and r =
+                                                                            the next sigma x 1000
+
+flowmap is the flow map's step z_r = z_t - (sigma_t - sigma_r) u, u the DiT's mean velocity from t to r, on the
+sigmas shift x s / (1 + (shift - 1) s) of s = linspace(1, 0, N + 1)[:-1] (float64, then 0): any step count runs the
+same program. It is for models that take r (kinds.Kind.flow_map), and those take no other sampler but `euler`, which
+on them is the same update with r = t (AnyFlowPipeline's use_mean_velocity=False). UniPC and DPM-Solver++ combine
+past outputs as instantaneous velocities, which a mean velocity over a step is not.
 
 Custom sigmas are one per step, before the flow shift, as `set_timesteps(sigmas=...)` takes them (lightx2v's
 4-step `denoising_step_list` [1000, 750, 500, 250] is sigmas 1, 0.75, 0.5, 0.25); each sampler shifts them as its
@@ -31,18 +39,33 @@ from . import scheduler
 from .errors import UserError
 from .scheduler import Plan, UniPCConfig
 
-SAMPLERS = ("unipc", "euler", "dpm++")
+SAMPLERS = ("unipc", "euler", "dpm++", "flowmap")
 # diffusers' scheduler class of each sampler: what a checkpoint's scheduler config names (export/source.py)
 SCHEDULER_CLASSES = {"UniPCMultistepScheduler": "unipc", "FlowMatchEulerDiscreteScheduler": "euler",
-                     "DPMSolverMultistepScheduler": "dpm++"}
+                     "DPMSolverMultistepScheduler": "dpm++", "FlowMapEulerDiscreteScheduler": "flowmap"}
+FLOW_MAP_SAMPLERS = ("flowmap", "euler")  # what a flow-map model (kinds.Kind.flow_map) runs
 DPM_ORDER = 2  # dpm++ is DPM-Solver++(2M), what Wan's own repository and WanPipeline run
 
 Sigmas = tuple[float, ...] | None
 
 
-def check_sampler(name: object) -> str:
+def samplers_for(flow_map: bool) -> tuple[str, ...]:
+    """The samplers a bundle runs: a flow-map model's FLOW_MAP_SAMPLERS, any other's all but flowmap."""
+    return FLOW_MAP_SAMPLERS if flow_map else tuple(s for s in SAMPLERS if s != "flowmap")
+
+
+def check_sampler(name: object, flow_map: bool | None = None) -> str:
+    """`name` if it is a sampler a bundle whose DiT is (`flow_map`) or is not a flow-map model runs (None: any
+    bundle's name); UserError else."""
     if not isinstance(name, str) or name not in SAMPLERS:
         raise UserError(f"sampler {name!r} is not one of {', '.join(SAMPLERS)}")
+    if flow_map and name not in FLOW_MAP_SAMPLERS:
+        raise UserError(f"sampler {name} treats past outputs as instantaneous velocities, and this flow-map model "
+                        "predicts mean velocities over a step: use sampler flowmap (or euler: the same update with "
+                        "r = t)")
+    if flow_map is False and name == "flowmap":
+        raise UserError("sampler flowmap is for flow-map models (AnyFlow), whose DiT takes the step's target "
+                        f"timestep: this bundle's runs {', '.join(s for s in SAMPLERS if s != 'flowmap')}")
     return name
 
 
@@ -102,13 +125,16 @@ def _plan(sampler: str, steps: int, shift: float, config: UniPCConfig, sigmas: S
         raise ValueError("flow shift must be > 0")
     if sampler == "unipc":
         return scheduler.plan(steps, shift, config, sigmas, start)
-    if sampler == "euler":
+    if sampler == "flowmap":
+        timesteps, sig = flowmap_sigmas(steps, shift, config.num_train_timesteps, sigmas)
+        rows = flowmap_rows(sig, config.solver_order)
+    elif sampler == "euler":
         timesteps, sig = euler_sigmas(steps, shift, config.num_train_timesteps, sigmas)
         rows = euler_rows(sig.astype(np.float64), config.solver_order)
     else:
         timesteps, sig = dpm_sigmas(steps, shift, config.num_train_timesteps, sigmas)
         rows = dpm_rows(sig, config.solver_order, start)
-    return _frozen(Plan(timesteps=timesteps[start:].astype(np.float32), sigmas=sig[start:],
+    return _frozen(Plan(timesteps=timesteps[start:].astype(np.float32), sigmas=sig[start:].astype(np.float32),
                         coeffs=rows[start:].astype(np.float32)))
 
 
@@ -121,6 +147,30 @@ def euler_rows(sig: np.ndarray, order: int) -> np.ndarray:
         ratio = sig[i + 1] / sig[i]
         _predictor(row, order)[:2] = (ratio, 1.0 - ratio)
         row[0] = sig[i]
+    return rows
+
+
+def flowmap_sigmas(steps: int, shift: float, num_train_timesteps: int, sigmas: Sigmas
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """FlowMapEulerDiscreteScheduler(shift=shift).set_timesteps(steps[, sigmas=...]): float64 sigmas shifted from
+    linspace(1, 0, steps + 1)[:-1] (or the custom ones), then 0; timesteps sigma x 1000 as the DiT sees them
+    (float32)."""
+    s = np.linspace(1.0, 0.0, steps + 1, dtype=np.float64)[:-1] if sigmas is None else np.asarray(sigmas, np.float64)
+    if shift != 1.0:
+        s = shift * s / (1 + (shift - 1) * s)
+    full = np.concatenate([s, [0.0]])
+    return (full[:-1] * num_train_timesteps).astype(np.float32), full
+
+
+def flowmap_rows(sig: np.ndarray, order: int) -> np.ndarray:
+    """The flow map's rows on the float64 sigmas `sig` (N + 1, ending in 0): x_r = x_t - (sigma_t - sigma_r) u, as
+    FlowMapEulerDiscreteScheduler.step computes it (m = x - c0 u with c0 = sigma_t - sigma_r, taken whole), no
+    corrector."""
+    rows = np.zeros((len(sig) - 1, scheduler.row_size(order)), np.float64)
+    for i, row in enumerate(rows):
+        _identity_corrector(row, order)
+        _predictor(row, order)[:2] = (0.0, 1.0)
+        row[0] = sig[i] - sig[i + 1]
     return rows
 
 
@@ -249,6 +299,10 @@ def from_checkpoint(cfg: dict) -> tuple[str, UniPCConfig, float]:
     if sampler == "unipc":
         unipc = scheduler.config_from_diffusers(cfg)
         return sampler, unipc, unipc.flow_shift
+    if sampler == "flowmap":  # no history: a state of order 1 (x, the corrected x, m)
+        shift = float(cfg.get("shift") if cfg.get("shift") is not None else 1.0)
+        return sampler, UniPCConfig(num_train_timesteps=int(cfg.get("num_train_timesteps", 1000)), solver_order=1,
+                                    flow_shift=shift), shift
     fixed, shift_key = (_EULER_FIXED, "shift") if sampler == "euler" else (_DPM_FIXED, "flow_shift")
     for key, allowed in fixed.items():
         if key in cfg and cfg[key] not in allowed:

@@ -30,6 +30,13 @@ class DenoiseSettings:
     guidance_2: float | None = None  # the second expert's; None: as `guidance` (diffusers' default)
     sampler: str = "unipc"  # runtime/samplers.py
     sigmas: tuple[float, ...] | None = None  # custom sigmas, one per step, before the flow shift
+    flow_map: bool = False  # the DiT is a flow-map model (kinds.Kind.flow_map): its euler is the flow map's, r = t
+
+    @property
+    def mean_velocity(self) -> bool:
+        """The DiT is told the step's target timestep r (the next sigma): AnyFlowPipeline's use_mean_velocity. With
+        sampler euler on a flow-map model, r = t."""
+        return self.flow_map and self.sampler == "flowmap"
 
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "steps": self.steps, "guidance": self.guidance, "guidance_2": self.guidance_2,
@@ -40,8 +47,10 @@ class DenoiseSettings:
         return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
 
     def plan(self, config: scheduler.UniPCConfig, start: int = 0) -> scheduler.Plan:
-        """The timesteps and coefficient rows of these settings (runtime/samplers.py), from step `start` on."""
-        return samplers.plan(self.sampler, self.steps, self.flow_shift, config, self.sigmas, start)
+        """The timesteps and coefficient rows of these settings (runtime/samplers.py), from step `start` on (a flow-map
+        model's euler steps on the flow map's schedule: the update is the same, only r differs)."""
+        return samplers.plan("flowmap" if self.flow_map else self.sampler, self.steps, self.flow_shift, config,
+                             self.sigmas, start)
 
 
 def resolve(defaults: Defaults, kind: Kind, config: scheduler.UniPCConfig, seed: int = 0, steps: int | None = None,
@@ -52,7 +61,7 @@ def resolve(defaults: Defaults, kind: Kind, config: scheduler.UniPCConfig, seed:
 
     The bundle's default sigmas go with its default step count: they apply when neither `steps` nor `sigmas` is
     given. Given `sigmas` set the step count (and must have `steps` of them when both are given)."""
-    sampler = samplers.check_sampler(defaults.sampler if sampler is None else sampler)
+    sampler = samplers.check_sampler(defaults.sampler if sampler is None else sampler, kind.flow_map)
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
         raise UserError(f"steps must be an integer >= 1, got {steps!r}")
     if sigmas is not None:
@@ -76,9 +85,10 @@ def resolve(defaults: Defaults, kind: Kind, config: scheduler.UniPCConfig, seed:
     if isinstance(flow_shift, bool) or not isinstance(flow_shift, (int, float)) or not math.isfinite(flow_shift) \
             or flow_shift <= 0:
         raise UserError(f"flow shift must be a finite number > 0, got {flow_shift!r}")
-    samplers.check_plan(sampler, int(steps), float(flow_shift), config, sigmas, defaults.flow_shift)
+    samplers.check_plan("flowmap" if kind.flow_map else sampler, int(steps), float(flow_shift), config, sigmas,
+                        defaults.flow_shift)
     return DenoiseSettings(int(seed), int(steps), float(guidance), float(flow_shift),
-                           None if guidance_2 is None else float(guidance_2), sampler, sigmas)
+                           None if guidance_2 is None else float(guidance_2), sampler, sigmas, kind.flow_map)
 
 
 def expert_of(timestep: float, kind: Kind, boundary_ratio: float | None, config: scheduler.UniPCConfig) -> int:

@@ -46,6 +46,12 @@ def _unipc(shift: float):
                                    num_train_timesteps=1000)
 
 
+def _flowmap(shift: float):
+    from diffusers import FlowMapEulerDiscreteScheduler
+
+    return FlowMapEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+
+
 def _run_diffusers(sched, steps: int, x: np.ndarray, velocity, sigmas=None) -> tuple[np.ndarray, np.ndarray]:
     import torch
 
@@ -79,16 +85,17 @@ def _velocity(seed: int):
     ("euler", 4, 5.0, None), ("euler", 4, 5.0, LIGHTX2V_SIGMAS), ("euler", 9, 3.0, None), ("euler", 30, 8.0, None),
     ("dpm++", 7, 3.0, None), ("dpm++", 2, 5.0, None), ("dpm++", 20, 12.0, None), ("dpm++", 50, 1.0, None),
     ("unipc", 4, 5.0, LIGHTX2V_SIGMAS), ("unipc", 10, 3.0, (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)),
+    ("flowmap", 1, 5.0, None), ("flowmap", 3, 1.0, None), ("flowmap", 16, 5.0, None), ("flowmap", 4, 3.0, LIGHTX2V_SIGMAS),
 ])
 def test_rows_follow_the_diffusers_scheduler(name: str, steps: int, shift: float, sigmas) -> None:
     """The coefficient rows, applied as the step program applies them, give diffusers' scheduler's samples, and
     the same timesteps (Euler's fractional)."""
-    reference = {"euler": _euler, "dpm++": _dpm, "unipc": _unipc}[name](shift)
+    reference = {"euler": _euler, "dpm++": _dpm, "unipc": _unipc, "flowmap": _flowmap}[name](shift)
     x = np.random.default_rng(0).normal(size=(64, 4, 8)).astype(np.float32)
     velocity = _velocity(1)
     ref_t, ref_x = _run_diffusers(reference, steps, x, velocity, sigmas)
     plan = samplers.plan(name, steps, shift, scheduler.UniPCConfig(flow_shift=shift), sigmas)
-    np.testing.assert_allclose(plan.timesteps, ref_t, rtol=0, atol=1e-3 if name == "euler" else 0)
+    np.testing.assert_allclose(plan.timesteps, ref_t, rtol=0, atol=1e-3 if name in ("euler", "flowmap") else 0)
     np.testing.assert_allclose(plan.sigmas, reference.sigmas.numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(_run_rows(plan, x, velocity), ref_x, rtol=0, atol=2e-5)
 
@@ -99,7 +106,7 @@ def test_samplers_differ_and_euler_timesteps_are_fractional() -> None:
     assert not np.array_equal(plans["euler"].timesteps, np.round(plans["euler"].timesteps))
     for name in ("unipc", "dpm++"):
         np.testing.assert_array_equal(plans[name].timesteps, np.round(plans[name].timesteps))
-    assert len({p.coeffs.tobytes() for p in plans.values()}) == 3
+    assert len({p.coeffs.tobytes() for p in plans.values()}) == len(samplers.SAMPLERS) == 4
 
 
 def test_settings_resolve_sigmas_steps_and_bad_values() -> None:

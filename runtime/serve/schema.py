@@ -454,7 +454,8 @@ FIELDS: tuple[Field, ...] = (
     Field("flow_shift", "number", "The scheduler's flow shift.", param="flow_shift", minimum=FLOW_SHIFT[0],
           maximum=FLOW_SHIFT[1], default=lambda o: o.defaults.flow_shift),
     Field("sampler", "string", "The sampler: unipc (UniPCMultistepScheduler), euler (FlowMatchEulerDiscreteScheduler) "
-          "or dpm++ (DPMSolverMultistepScheduler).", param="sampler", enum=lambda o: list(samplers.SAMPLERS),
+          "or dpm++ (DPMSolverMultistepScheduler); flowmap (FlowMapEulerDiscreteScheduler) on flow-map models (AnyFlow), "
+          "which take flowmap or euler only.", param="sampler", enum=lambda o: list(samplers.samplers_for(o.kind.flow_map)),
           default=lambda o: o.defaults.sampler, mismatch="sampler {value!r} is not one of {choices}"),
     Field("sigmas", "numbers", "Custom noise levels before the flow shift (e.g. 1, 0.75, 0.5, 0.25), one step per "
           "distinct level, run from the highest down (so any order): they set the step count, so "
