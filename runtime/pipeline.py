@@ -787,7 +787,8 @@ class Pipeline:
                  on_step: Callable[[int, int], None] | None = None,
                  on_preview: Callable[[np.ndarray], None] | None = None,
                  loras: Sequence[adapters.LoraSpec] | None = None, decoder: str = "full",
-                 on_frames: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+                 on_frames: Callable[[np.ndarray], None] | None = None,
+                 use_mean_velocity: bool | None = None) -> np.ndarray:
         """prompt (+ image or video) -> frames (B, F, H, W, 3) float32 in [0, 1]. `size` ("WxH") and `frames` pick
         one of the bundle's shapes (`shapes`; the default one where None; a video's frame count picks the frames);
         `latents` is the initial noise, as diffusers' `latents` argument: (B, z, T, H/s, W/s), and picks the shape
@@ -807,11 +808,17 @@ class Pipeline:
         `decoder`: "full" (the VAE) or "tiny" (the bundle's tiny decoder: `decode`). `on_frames(frames)` gets the
         video once decoded (the segment loops call it for each segment's frames as they are made).
 
+        Flow-map models (AnyFlow): `video`, the first frames to continue (4k+1, fewer than the run makes: kept as
+        they are, AnyFlowPipeline's `video`); `use_mean_velocity` as diffusers has it (True: sampler flowmap, the
+        default; False: sampler euler, r = t).
+
         `loras`: the LoRA set this run and the later ones use (`use_loras`: (path or name, scale[, expert]) each; `[]`
         none), switched to before anything runs; None keeps the set the weights hold (the one `runtime.load` was given,
         or the last one a call named). (runtime/front.py's `generate` switches it before any loop.)"""
         self._prompts(prompt, "prompt")  # an empty one fails before any loading starts
         self.decoder_programs(decoder)  # as does a decoder the bundle lacks
+        if use_mean_velocity is not None:
+            sampler = samplers.mean_velocity_sampler(use_mean_velocity, sampler, self.kind.flow_map)
         if loras is not None:
             self.use_loras(loras)
         kinds.check_videos(self.kind, self.manifest.video_to_video, video, mask, reference_images)

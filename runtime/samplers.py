@@ -54,6 +54,21 @@ def samplers_for(flow_map: bool) -> tuple[str, ...]:
     return FLOW_MAP_SAMPLERS if flow_map else tuple(s for s in SAMPLERS if s != "flowmap")
 
 
+def mean_velocity_sampler(use_mean_velocity: object, sampler: str | None, flow_map: bool) -> str:
+    """The sampler of AnyFlowPipeline's `use_mean_velocity` (True: flowmap, the DiT told r; False: euler, r = t) on a
+    flow-map model; UserError for another model, a non-boolean, or a `sampler` that says otherwise."""
+    if not flow_map:
+        raise UserError("use_mean_velocity is for flow-map models (AnyFlow); this bundle's DiT takes no target "
+                        "timestep")
+    if not isinstance(use_mean_velocity, bool | np.bool_):
+        raise UserError(f"use_mean_velocity must be true or false, got {use_mean_velocity!r}")
+    chosen = "flowmap" if use_mean_velocity else "euler"
+    if sampler is not None and sampler != chosen:
+        raise UserError(f"use_mean_velocity={bool(use_mean_velocity)} is sampler {chosen}, but sampler {sampler} was "
+                        "asked: give one of them")
+    return chosen
+
+
 def check_sampler(name: object, flow_map: bool | None = None) -> str:
     """`name` if it is a sampler a bundle whose DiT is (`flow_map`) or is not a flow-map model runs (None: any
     bundle's name); UserError else."""

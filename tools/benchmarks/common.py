@@ -77,6 +77,19 @@ def _spec_helios_1_3b() -> dict[str, Any]:
     return {**_spec_1_3b(), "transformer": transformer, "pipeline": "helios", "scheduler": scheduler}
 
 
+def _spec_anyflow_1_3b() -> dict[str, Any]:
+    """AnyFlow at the 1.3B's widths (there is no 1.3B AnyFlow): AnyFlowTransformer3DModel with the 1.3B DiT's 30
+    blocks and 12 heads of 128 (random weights), FlowMapEulerDiscreteScheduler; the 1.3b workload's text encoder and
+    the real VAE."""
+    from export.architectures import ARCHITECTURES
+
+    anyflow, small = ARCHITECTURES["anyflow-wan2.1-t2v-14b"], ARCHITECTURES["wan2.1-t2v-1.3b"]["transformer"]
+    transformer = {**anyflow["transformer"], **{k: small[k] for k in ("num_attention_heads", "attention_head_dim",
+                                                                       "ffn_dim", "num_layers")}}
+    scheduler = {k: v for k, v in anyflow["scheduler"].items() if k != "_class_name"}
+    return {**_spec_1_3b(), "transformer": transformer, "pipeline": "anyflow", "scheduler": scheduler}
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and a shape that a benchmark runs, built once under --work (a diffusers checkpoint, then bundles)."""
@@ -108,6 +121,8 @@ WORKLOADS = {w.name: w for w in (
              "forcing in 21-frame segments (6 latent frames)", _spec_df_1_3b, 128, 128, 21),
     Workload("helios-1.3b", "Helios at the 1.3b workload's widths (HeliosTransformer3DModel, 30 blocks), chunks of "
              "33 frames (9 latent frames) with the 16/2/1 history", _spec_helios_1_3b, 128, 128, 33),
+    Workload("anyflow-1.3b", "AnyFlow at the 1.3b workload's widths (AnyFlowTransformer3DModel, 30 blocks, the flow "
+             "map's r embedder)", _spec_anyflow_1_3b, 128, 128, 9),
 )}
 
 

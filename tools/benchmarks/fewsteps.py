@@ -6,6 +6,10 @@
 2. The samplers at equal steps: euler and dpm++ against unipc at each of --sampler-steps, by tools/quality.py's
    measures (frames PSNR, max error, first-step velocity error) from the same initial latents.
 
+3. With --anyflow-steps (default 1 2 4 8; none to skip) on the 1.3b workload: AnyFlow's time to a video at each step
+   count (flowmap sampler, guidance 1: one DiT pass per step) from the anyflow-1.3b workload's bundle, the same
+   widths, shape and dtype, beside the base model's 50 UniPC steps, interleaved with them.
+
 Random weights: the 4-step run is not a good video here (no distilled weights exist for this random model), it
 costs what a distilled model's run costs; and the sampler comparison says how far apart the samplers' trajectories
 are on this model, not which makes the better video.
@@ -41,7 +45,10 @@ RECIPES = {  # name: (steps, guidance, sampler, DiT passes per video)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, repeats=1, workloads=("1.3b",), dtypes=("bf16",))
-    p.add_argument("--sampler-steps", type=int, nargs="+", default=[10, 30])
+    p.add_argument("--sampler-steps", type=int, nargs="*", default=[10, 30],
+                   help="step counts at which euler and dpm++ are compared with unipc (none: skip)")
+    p.add_argument("--anyflow-steps", type=int, nargs="*", default=[1, 2, 4, 8],
+                   help="AnyFlow's step counts timed beside the recipes (1.3b workload only; none: skip)")
 
 
 def _video(pipe: Any, steps: int, guidance: float, sampler: str) -> dict[str, float]:
@@ -63,19 +70,28 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
     pipe = runtime.load(bundle(a.work, WORKLOADS[workload], dtype, a.device))
     pipe.prepare(magcache=False)
     name = f"{workload}, {dtype} ({WORKLOADS[workload].shape}; {a.device}"
-    times: dict[str, list[dict[str, float]]] = {k: [] for k in RECIPES}
+    recipes = {k: (pipe, *r) for k, r in RECIPES.items()}
+    if a.anyflow_steps and workload == "1.3b":
+        anyflow = runtime.load(bundle(a.work, WORKLOADS["anyflow-1.3b"], dtype, a.device))
+        anyflow.prepare(magcache=False)
+        recipes.update({f"AnyFlow, {n} flowmap step{'s' * (n > 1)}, guidance 1": (anyflow, n, 1.0, "flowmap", n)
+                        for n in a.anyflow_steps})
+    times: dict[str, list[dict[str, float]]] = {k: [] for k in recipes}
     for i in range(a.repeats):  # interleaved
-        for key, (steps, guidance, sampler, _) in RECIPES.items():
-            times[key].append(_video(pipe, steps, guidance, sampler))
+        for key, (model, steps, guidance, sampler, _) in recipes.items():
+            times[key].append(_video(model, steps, guidance, sampler))
         log(f"{workload} {dtype} repeat {i + 1}/{a.repeats} done")
     video = Table(f"time to a video: {name}; median of {a.repeats}, programs compiled first)",
                   ["recipe", "DiT passes", "encode s", "denoise s", "decode s", "video s", "vs 50 steps"])
     base = median([t["total"] for t in times[next(iter(RECIPES))]])
-    for key, (_, _, _, passes) in RECIPES.items():
+    for key, (_, _, _, _, passes) in recipes.items():
         m = {part: median([t[part] for t in times[key]]) for part in ("encode", "denoise", "decode", "total")}
         video.add(key, passes, num(m["encode"], 2), num(m["denoise"], 2), num(m["decode"], 2), num(m["total"], 2),
                   ratio(m["total"], base))
-    video.notes.append("The bundle's flow shift for both; the encode and the decode are the same work for both.")
+    video.notes.append("Each bundle's flow shift; the encode and the decode are the same work for every row.")
+    if len(recipes) > len(RECIPES):
+        video.notes.append("AnyFlow: the anyflow-1.3b workload's bundle (AnyFlowTransformer3DModel at the same widths, "
+                           "random weights), one bundle for every step count.")
 
     fidelity = Table(f"samplers at equal steps against unipc: {name}; guidance {GUIDANCE:g}, the bundle's flow shift)",
                      ["steps", "sampler", "frames PSNR dB", "max error (of 255)", "first-step velocity rel. error"])
