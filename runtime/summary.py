@@ -125,6 +125,8 @@ def format_text(s: dict[str, Any]) -> str:
             f"; tiny: {(x := s['decoders']['tiny'])['file']} ({x['variant']} TAEHV decoder, {x['latent_channels']} "
             f"channels, takes {x['latents']} latents)" if "tiny" in s.get("decoders", {}) else ""),
         *([_chunks(s["chunks"], g)] if s.get("chunks") else []),
+        "samplers   flowmap (FlowMapEulerDiscreteScheduler, the mean velocity), euler (r = t) (per run)"
+        if s["model"]["kind"] in kinds.KINDS and kinds.get(s["model"]["kind"]).flow_map else
         f"samplers   unipc (order {s['scheduler'].get('solver_order')}, {s['scheduler'].get('solver_type')}), euler, "
         "dpm++ (any, per run)" if not s.get("chunks") else
         "samplers   DMD (the distilled scheduler's)" if s["chunks"]["distilled"] else
