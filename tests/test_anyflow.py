@@ -132,3 +132,19 @@ def test_bundle_defaults_and_what_it_refuses(anyflow: tuple[Path, Path], pipe, t
         pipe.generate(PROMPT, video=np.zeros((4, H, W, 3), np.uint8), progress=False)
     with pytest.raises(UserError, match="the video has 9 frames: .* fewer than the 9"):
         pipe.generate(PROMPT, video=np.zeros((9, H, W, 3), np.uint8), progress=False)
+
+
+@pytest.mark.slow
+def test_the_14b_from_its_architecture_name_for_tpu(tmp_path: Path) -> None:
+    """`--model anyflow-wan2.1-t2v-14b --no-weights` builds the released 14B's programs for tpu-v6e-8 with the TPU
+    attention kernel: the kind from the name, the step taking a target timestep per latent frame, the delta embedder
+    among the DiT's weights."""
+    out = tmp_path / "b"
+    run_module("export", "--model", "anyflow-wan2.1-t2v-14b", "--no-weights", "--resolution", "480p", "--frames", "5",
+               "--target", "tpu-v6e-8", "--out", str(out), "-q")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["kind"] == "anyflow" and m["defaults"]["sampler"] == "flowmap"
+    step = m["programs"]["denoise_step"]
+    assert step["inputs"]["r_timestep"]["shape"] == [2] and step["inputs"]["condition"]["shape"] == [1, 16, 2, 60, 104]
+    assert "condition_embedder.delta_embedder.linear_1.weight" in m["weights"]["transformer"]["tensors"]
+    assert m["attention"]["dit"]["impl"] == "pallas-tpu-flash"
