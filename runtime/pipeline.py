@@ -593,11 +593,13 @@ class Pipeline:
         """A flow-map model's target timestep of each frame at each step (T,): the next sigma x 1000 (the mean
         velocity's r; 0 after the last step), or with sampler euler the frame's own timestep (AnyFlowPipeline's
         use_mean_velocity=False, whose r_timestep is its timestep tensor, zeroed on the given frames with it)."""
-        frames = extras["mask"][0, 0, :, 0, 0]
+        denoised = extras["mask"][0, 0, :, 0, 0]  # 1 on the frames made, 0 on a given video's
         ts = [float(t) for t in plan.timesteps]
-        return [np.asarray([timestep_of(r * m if not s.mean_velocity else r) for m in frames], np.float32)
-                for r in ((ts[i + 1] if i + 1 < len(ts) else 0.0) if s.mean_velocity else ts[i]
-                          for i in range(len(ts)))]
+        out = []
+        for i, t in enumerate(ts):
+            r = (ts[i + 1] if i + 1 < len(ts) else 0.0) if s.mean_velocity else None
+            out.append(np.asarray([timestep_of(t * m if r is None else r) for m in denoised], np.float32))
+        return out
 
     def start_step(self, embeds: dict[str, Any], s: DenoiseSettings, strength: float | None) -> int:
         """The first of the schedule's steps a run takes: 0, or for video-to-video (embeds with `video_latents`) the
