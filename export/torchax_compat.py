@@ -71,6 +71,7 @@ def load_torchax() -> Any:
 
                 torchax.default_env()
             _type_as_takes_views(torchax)
+            _getitem_takes_views(torchax)
             _loaded = torchax
     return _loaded
 
@@ -87,3 +88,23 @@ def _type_as_takes_views(torchax: Any) -> None:
         return self
 
     Tensor.type_as = type_as
+
+
+def _getitem_takes_views(torchax: Any) -> None:
+    """torchax 0.0.13's `x[index]` with an advanced index (a list or a tensor) reads `x._elem`, which a view (a slice,
+    torchax.view.View) does not have: ChronoEditRotaryPosEmbed's `freqs_cos[0][:8][[0, -1]]` fails. Index the view's
+    array then (advanced indexing copies in torch too); slices of views stay views, as before."""
+    from torchax.ops import ops_registry
+    from torchax.tensor import Tensor
+
+    op = ops_registry.all_torch_functions[torch.Tensor.__getitem__]  # the environments' own Operator object
+    original = op.func
+
+    def getitem(self: Any, indexes: Any) -> Any:
+        advanced = isinstance(indexes, (list, torch.Tensor)) or (
+            isinstance(indexes, tuple) and any(isinstance(i, (list, torch.Tensor)) for i in indexes))
+        if advanced and not hasattr(self, "_elem"):
+            self = Tensor(self.jax(), self._env)
+        return original(self, indexes)
+
+    op.func = getitem

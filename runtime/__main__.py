@@ -12,6 +12,7 @@
     python -m runtime generate DF_BUNDLE --prompt "..." --frames 257 --overlap-history 17 --out long.mp4  # any length
     python -m runtime generate DF_BUNDLE --prompt "..." --video clip.mp4 --frames 97 --out longer.mp4  # extend a video
     python -m runtime generate BUNDLE --video source.mp4 --prompt "make it snow" --out edited.mp4   # Lucy Edit
+    python -m runtime generate BUNDLE --image in.png --prompt "add a hat" --out edited.png   # ChronoEdit: the edit
     python -m runtime verify  BUNDLE     # check a bundle against its manifest and this machine
     python -m runtime inspect BUNDLE     # what it holds: stages, shapes, shardings, weight bytes
     python -m runtime warm    BUNDLE     # compile every program into the compilation cache
@@ -242,6 +243,21 @@ def video_args(args: argparse.Namespace) -> dict:
     return out
 
 
+def _chronoedit_args(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("ChronoEdit (image-editing bundles: --image is edited as the prompt says; --out x.png "
+                             "writes the edited image, the short video's last frame)")
+    c.add_argument("--temporal-reasoning-steps", type=int, default=None, metavar="K",
+                   help="the first K steps reason over --frames frames (a frame count the bundle was exported with; "
+                        "default its most), the rest edit on 2 latent frames; K < --steps, sampler unipc (default 0: "
+                        "none)")
+
+
+def chronoedit_args(args: argparse.Namespace) -> dict:
+    """ChronoEdit's keyword of `generate`, if given (other bundles' generate refuses it in one line)."""
+    k = getattr(args, "temporal_reasoning_steps", None)
+    return {} if k is None else {"temporal_reasoning_steps": k}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,13 +283,15 @@ def parser() -> argparse.ArgumentParser:
     _animate_args(g)
     _forcing_args(g)
     _helios_args(g)
+    _chronoedit_args(g)
     _shape_args(g)
     _denoise_args(g)
     _magcache_args(g)
     _lora_args(g)
     g.add_argument("--fps", type=int, default=None, help="frames per second of the video (default: the bundle's)")
     g.add_argument("--out", type=Path, required=True,
-                   help="video path: .mp4, .mkv, .mov or .gif (batch > 1 writes NAME-<i>.mp4)")
+                   help="video path: .mp4, .mkv, .mov or .gif (batch > 1 writes NAME-<i>.mp4); .png: an "
+                        "image-editing bundle's edited image (the last frame)")
     g.add_argument("--frames-out", type=Path, default=None, help="also save the float frames (safetensors)")
     g.add_argument("--decoder", choices=("full", "tiny"), default="full",
                    help="full: the VAE (default); tiny: the bundle's tiny decoder (export --tiny-decoder), faster")
@@ -481,8 +499,11 @@ def run(args: argparse.Namespace) -> int:
         from .hls import directory_sink
 
         stream = directory_sink(args.stream)
+    from .chronoedit import is_image_path
+
     if args.command in ("generate", "decode"):
-        check_video_path(args.out)
+        if not (args.command == "generate" and is_image_path(args.out)):  # an edit's image: by kind, once loaded
+            check_video_path(args.out)
         if args.fps is not None:
             check_fps(args.fps)
     for name in ("image", "last_image"):  # unreadable images fail before the bundle is loaded
@@ -493,6 +514,10 @@ def run(args: argparse.Namespace) -> int:
     videos = video_args(args)  # unreadable videos fail before the bundle is loaded
     animated = animate_args(args)
     pipe = load(args.bundle, loras=loras_from_args(args))
+    if args.command == "generate":  # a .png out is an image-editing bundle's edit: others refuse it now
+        from .chronoedit import check_out
+
+        check_out(pipe.kind, args.out)
     if pipe.kind.animate and args.command in ("denoise", "calibrate"):
         from .errors import UserError
 
@@ -506,7 +531,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{what}: use `generate` (--frames for the length), not `{args.command}`")
     g = pipe.geometry
     shape = {"size": getattr(args, "size", None), "frames": getattr(args, "frames", None)}
-    forced = {**forcing_args(args, pipe.kind), **helios_args(args, pipe.kind)} if args.command == "generate" else {}
+    forced = {**forcing_args(args, pipe.kind), **helios_args(args, pipe.kind), **chronoedit_args(args)} \
+        if args.command == "generate" else {}
     if pipe.kind.any_length and args.command == "generate":  # --frames is the video's length: forcing/helios plan it
         shape["frames"] = None
     elif args.command != "decode":  # a shape the bundle lacks fails before any work
@@ -549,7 +575,9 @@ def run(args: argparse.Namespace) -> int:
             im.save(args.frames_out, im.FRAMES, {"frames": frames}, pipe.bundle_id, {})
             log.info("wrote %s", args.frames_out)
         fps = pipe.manifest.defaults.fps if args.fps is None else args.fps
-        for path in write_videos(frames, args.out, fps):
+        from .chronoedit import write_images
+
+        for path in write_images(frames, args.out) if is_image_path(args.out) else write_videos(frames, args.out, fps):
             log.info("wrote %s", path)
     elif args.command == "encode":
         embeds = pipe.encode(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,

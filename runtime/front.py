@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import adapters, animate, forcing, helios
+from . import adapters, animate, chronoedit, forcing, helios
 from . import manifest as mf
 from . import pipeline as engine
 from .bundle import open_bundle
@@ -28,6 +28,7 @@ LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "forcing": ("diffusion forcing models (SkyReels-V2 DF)", ("num_frames", "overlap_history", "ar_step",
                                                               "causal_block_size", "addnoise_condition", "fps")),
     "helios": ("Helios models", ("num_frames", *helios.SETTINGS, "fps")),
+    "chronoedit": ("ChronoEdit models", ("temporal_reasoning_steps",)),
 }
 
 # The engine's keywords a loop does not take: given, they are refused in one line; None, dropped.
@@ -35,6 +36,7 @@ NOT_TAKEN: dict[str, tuple[str, ...]] = {
     "animate": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
     "forcing": ("mask", "reference_images", "conditioning_scale", "strength", "noise"),
     "helios": ("last_image", "mask", "reference_images", "conditioning_scale", "strength"),
+    "chronoedit": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
 }
 
 
@@ -76,6 +78,15 @@ class Pipeline(engine.Pipeline):
             self.use_loras(loras)
         return LOOPS[loop](self, prompt, negative_prompt, *args, **kwargs)
 
+    def edit_image(self, image: Any, prompt: str, negative_prompt: str = "", seed: int = 0,
+                   steps: int | None = None, guidance: float | None = None, temporal_reasoning_steps: int = 0,
+                   frames: int | None = None, **kwargs: Any) -> Any:
+        """The edited image (a PIL RGB image of the bundle shape's size) of an image-editing bundle (ChronoEdit):
+        the last frame of the short video the edit is made as (runtime/chronoedit.py `edit_image`, where the
+        keywords are). UserError (one line) for a bundle of another kind or bad input, before any work."""
+        return chronoedit.edit_image(self, image, prompt, negative_prompt, seed=seed, steps=steps, guidance=guidance,
+                                     temporal_reasoning_steps=temporal_reasoning_steps, frames=frames, **kwargs)
+
     def _streamed(self, stream: str | Path, prompt: Any, negative_prompt: Any, *args: Any, **kwargs: Any
                   ) -> np.ndarray:
         """`generate` with its frames written to an HLS stream in directory `stream` as they come."""
@@ -101,6 +112,7 @@ LOOPS: dict[str, Callable[..., np.ndarray]] = {
     "animate": animate.generate,
     "forcing": forcing.generate,
     "helios": helios.generate,
+    "chronoedit": chronoedit.generate,
 }
 
 
