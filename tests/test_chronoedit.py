@@ -89,23 +89,25 @@ def test_matches_diffusers(chronoedit: tuple[Path, Path], pipe, source: Path, k:
 def test_the_edited_image_is_the_last_frame(chronoedit: tuple[Path, Path], pipe, source: Path,
                                             tmp_path: Path) -> None:
     """`runtime generate --out x.png` writes the last frame at the bundle shape's size, as `edit_image` returns it
-    and `--out x.mp4` ends; with --temporal-reasoning-steps over --frames 9 too."""
+    and `--out x.mp4` holds the 5 frames it ends; with --temporal-reasoning-steps over --frames 9 too."""
     from PIL import Image
 
     from runtime.video import to_uint8
 
     bundle = str(chronoedit[1])
-    for extra, kwargs in (([], {}), (["--temporal-reasoning-steps", "1", "--frames", str(REASON)],
-                                     {"temporal_reasoning_steps": 1, "frames": REASON})):
+    reasoning = {"temporal_reasoning_steps": 1, "frames": REASON}
+    for extra, kwargs in (([], {"steps": 1}),
+                          (["--temporal-reasoning-steps", "1", "--frames", str(REASON)], {"steps": 2, **reasoning})):
         out = tmp_path / f"edited{len(extra)}.png"
-        run_cli("runtime", "generate", bundle, "--image", str(source), "--prompt", PROMPT, "--steps", "2", "-q",
-                "--seed", "3", "--out", str(out), *extra)
-        frames = pipe.generate(PROMPT, image=source, steps=2, seed=3, progress=False, **kwargs)
+        run_cli("runtime", "generate", bundle, "--image", str(source), "--prompt", PROMPT, "--steps",
+                str(kwargs["steps"]), "-q", "--seed", "3", "--out", str(out), *extra)
         written = Image.open(out)
         assert written.size == (W, H) and written.mode == "RGB"
-        np.testing.assert_array_equal(np.asarray(written), to_uint8(frames[0, -1]))
-        edited = pipe.edit_image(source, PROMPT, steps=2, seed=3, progress=False, **kwargs)
+        edited = pipe.edit_image(source, PROMPT, seed=3, progress=False, **kwargs)
         assert edited.size == (W, H) and np.array_equal(np.asarray(edited), np.asarray(written))
+        if not extra:  # the last of the frames generate returns
+            frames = pipe.generate(PROMPT, image=source, seed=3, progress=False, **kwargs)
+            np.testing.assert_array_equal(np.asarray(written), to_uint8(frames[0, -1]))
     video = tmp_path / "edited.mp4"
     run_cli("runtime", "generate", bundle, "--image", str(source), "--prompt", PROMPT, "--steps", "1", "-q",
             "--out", str(video))
@@ -176,14 +178,15 @@ def test_detected_from_its_pipeline_or_transformer_and_its_architecture_name() -
 
 @pytest.mark.slow
 def test_programs_from_the_architecture_name(tmp_path: Path) -> None:
-    """`--model chronoedit-14b --no-weights` traces the released 14B's programs (on meta, no download) for the edit's
-    5 frames and 29 to reason over, at 480p: a chronoedit bundle of both shapes, its DiT taking 36 channels."""
+    """`--model chronoedit-14b --no-weights --target tpu-v6e-8` traces the released 14B's programs (on meta, no
+    download) for the edit's 5 frames and 29 to reason over, at 720p: a chronoedit bundle of both shapes, its DiT taking
+    the 20 channels of mask and image latents beside the noise."""
     import runtime.manifest as mf
 
     out = tmp_path / "chronoedit-14b"
-    run_module("export", "--model", "chronoedit-14b", "--no-weights", "--resolution", "832x480", "--frames", "5,29",
-               "--out", str(out), "-q")
+    run_module("export", "--model", "chronoedit-14b", "--no-weights", "--resolution", "1280x720", "--frames", "5,29",
+               "--target", "tpu-v6e-8", "--out", str(out), "-q")
     m = mf.read(out)
-    assert m.kind == "chronoedit" and [g.shape for g in m.shapes] == [(832, 480, 5), (832, 480, 29)]
+    assert m.kind == "chronoedit" and [g.shape for g in m.shapes] == [(1280, 720, 5), (1280, 720, 29)]
     assert not m.has_weights
     assert m.programs["denoise_step"].inputs["condition"].shape[1] == 4 + 16
