@@ -30,8 +30,8 @@ def server(shapes_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 # The operations whose documents differ from kind to kind: what other kinds' servers are fuzzed on (a remix's is an
-# edit's JSON body without the video).
-KIND_OPERATIONS = "^(createVideo|editVideo|extendVideo)$"
+# edit's JSON body without the video; an image edit is in image-editing bundles' documents only).
+KIND_OPERATIONS = "^(createVideo|editVideo|extendVideo|editImage)$"
 
 
 def schemathesis_clean(server: Server, cwd: Path, key: str | None = KEY, examples: int = 15, seed: int = 1,

@@ -232,15 +232,16 @@ class JobStore:
         self._drop_images(job)
         self.discard(self.preview_key(job))
 
-    def cancel(self, job_id: str, tenant: str | None = None) -> Job | None:
+    def cancel(self, job_id: str, tenant: str | None = None, message: str | None = None) -> Job | None:
         """Cancel a queued or running job, keeping it: failed, with code `cancelled` (one write: it is never claimed
         again, and its owner's next fenced write, after the step in flight, finds it no longer in progress). Returns
-        the job, None if unknown (or not `tenant`'s); NotCancellable if it has ended already."""
+        the job, None if unknown (or not `tenant`'s); NotCancellable if it has ended already. `message`: why, where
+        the server cancels it itself (an image edit's request gone or past its bound: runtime/serve/images.py)."""
         where, args = ("id = ?", (job_id,)) if tenant is None else ("id = ? AND tenant = ?", (job_id, tenant))
         with self.db.transaction(exclusive=False) as tx:
             n = tx.execute(f"UPDATE jobs SET status = 'failed', completed_at = {self.db.now_int}, error_code = ?, "
                            f"error_message = ? WHERE {where} AND status IN ('queued', 'in_progress')",
-                           (CANCELLED, "cancelled by the client (POST /v1/videos/{id}/cancel)", *args))
+                           (CANCELLED, message or "cancelled by the client (POST /v1/videos/{id}/cancel)", *args))
             if n:
                 row = tx.one("SELECT tenant FROM jobs WHERE id = ?", (job_id,))
                 self._ended(tx, row[0], job_id, "failed")
@@ -342,8 +343,9 @@ class JobStore:
 
     def video_key(self, job: Job) -> str:
         """Where this attempt's video goes: one key per attempt, so a stale owner never overwrites the file of
-        the job's current owner."""
-        return f"videos/{job.id}-{job.attempts}.mp4"
+        the job's current owner. An image edit's (runtime/serve/images.py) is its PNG."""
+        ext = "png" if job.params.get("task") == "image_edit" else "mp4"
+        return f"videos/{job.id}-{job.attempts}.{ext}"
 
     def stream_key(self, job: Job, name: str, attempt: int | None = None) -> str:
         """Where file `name` of an attempt's live stream goes (runtime/hls.py's names: "stream.m3u8", "stream/<n>.ts"),

@@ -118,6 +118,9 @@ class Model(_Strict):
                                       "max_seconds, made in overlapping segments; extends videos")
     helios: bool = Field(description="Helios: `seconds` of any duration up to max_seconds, made in chunks of the "
                                      "size's shape, each on the ones before")
+    image_edit: bool = Field(description="edits images: POST /v1/images/edits (ChronoEdit)")
+    edit_sizes: list[str] | None = Field(None, description="image-editing bundles: the sizes an image edit may ask "
+                                                           "for (absent for other kinds)")
     pyramid: int | None = Field(None, description="Helios: the stages of its pyramid (1: HeliosPipeline); absent "
                                                   "for other kinds")
     max_seconds: float | None = Field(None, description="diffusion forcing and Helios: the longest video a job may "
@@ -154,10 +157,12 @@ _WHY = {400: "a field, parameter or body the API does not take (`param` names it
              "a cross-origin Origin, or a malformed request",
         401: "missing or wrong API key", 404: "no such video (or another tenant's)",
         408: "the request's head or body did not arrive in time (--header-timeout, --body-timeout)",
-        409: "the video (or its source) is not in a state for this", 413: "the body is larger than the server takes "
-                                                                          "(--max-body-mb)",
+        409: "the video (or its source) is not in a state for this; an image edit's job was cancelled",
+        413: "the body is larger than the server takes (--max-body-mb)",
         415: "a body neither JSON nor multipart/form-data", 416: "a Range outside the video",
         429: "the queue is full", 431: "the request's head is too large",
+        500: "a bug (`internal_error`), or an image edit's job failed (`code` says how, the message why)",
+        504: "the image edit did not end within serve --max-sync-seconds: its job was cancelled",
         503: "the model is still loading, the server is draining, it is at a limit (--max-connections, "
              "--max-uploads), or the job database or video store cannot be reached now (`code` "
              "database_unavailable, storage_unavailable)",

@@ -11,6 +11,7 @@
     DELETE /v1/videos/{id}         remove it (a queued one never runs; a running one stops at its next step)
     POST   /v1/videos/{id}/cancel  stop it, keeping it: failed, error code `cancelled`
     POST   /v1/videos/{id}/remix, /v1/videos/edits, /v1/videos/extensions   jobs from a video (derive.py)
+    POST   /v1/images/edits        an image edit (ChronoEdit bundles), answered when its job ends (images.py)
     /v1/webhook_endpoints ...      webhook endpoints (webhooks.py)
     GET    /health  /ready  /metrics  /openapi.json
     GET    /                       the playground page (runtime/serve/ui/; off with --no-ui)
@@ -40,7 +41,7 @@ from starlette.routing import Match
 
 from .. import hls
 from ..files import disk_full
-from . import access, derive, loras, thumbnails, webhooks
+from . import access, derive, images, loras, thumbnails, webhooks
 from . import openapi as oa
 from .db import DatabaseUnavailable
 from .errors import ApiError
@@ -202,7 +203,8 @@ def create_app(state: State) -> FastAPI:
                                              "frame); spritesheet: a JPEG grid of evenly spaced frames "
                                              "(runtime/serve/thumbnails.py gives its geometry)",
                               "content": {m: {"schema": {"type": "string", "format": "binary"}}
-                                          for m in ("video/mp4", "image/webp", "image/jpeg")}},
+                                          for m in ("video/mp4", "image/webp", "image/jpeg",
+                                                    *(("image/png",) if images.edits(state.offer) else ()))}},
                         **oa.errors(400, 404, 409, 416)})
     def content(request: Request, video_id: VideoId,
                 variant: Annotated[Literal["video", "thumbnail", "spritesheet"], Query(
@@ -218,11 +220,13 @@ def create_app(state: State) -> FastAPI:
         if variant != "video":
             return _derived_image(store, job, variant)
         path = store.storage.local_path(job.video)
+        ext = job.video.rsplit(".", 1)[1]  # mp4; png: an image edit's (images.py)
+        media_type = "image/png" if ext == "png" else "video/mp4"
         if path is not None:
             _check_range(request, path)
-            return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
-        return StreamingResponse(store.storage.chunks(job.video), media_type="video/mp4",
-                                 headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+            return FileResponse(path, media_type=media_type, filename=f"{video_id}.{ext}")
+        return StreamingResponse(store.storage.chunks(job.video), media_type=media_type,
+                                 headers={"Content-Disposition": f'attachment; filename="{video_id}.{ext}"'})
 
     @app.get("/v1/videos/{video_id}/stream.m3u8", operation_id="streamVideo", response_class=Response,
              summary="The video as an HLS live stream while it is made: an EVENT playlist, a segment added as each "
@@ -279,6 +283,7 @@ def create_app(state: State) -> FastAPI:
         return job.to_api()
 
     derive_routes(app, state)
+    images.add_routes(app, state)
     webhooks.add_routes(app, state)
 
     def document() -> dict[str, Any]:
@@ -343,6 +348,8 @@ def model_card(state: State, tenant: str | None = None) -> dict[str, Any]:
             "image": pipe.kind.image, "last_image": pipe.kind.takes_last_image, "video": state.offer.video_reference,
             "mask": pipe.kind.vace, "animate": pipe.kind.animate, "forcing": pipe.kind.forcing,
             "helios": pipe.kind.helios, **({"pyramid": state.offer.pyramid} if pipe.kind.helios else {}),
+            "image_edit": images.edits(state.offer),
+            **({"edit_sizes": images.edit_sizes(state.offer)} if images.edits(state.offer) else {}),
             **({"max_seconds": state.offer.max_seconds} if pipe.kind.any_length else {}),
             "reference_images": list(state.offer.reference_counts),
             "video_to_video": m.video_to_video, "experts": pipe.kind.experts, "fps": fps,
@@ -391,7 +398,13 @@ def _create(state: State, body: Body, tenant: str) -> JSONResponse:
 
 
 def _queue(state: State, params: dict[str, Any], files: list[bytes], tenant: str) -> JSONResponse:
-    loras.check_tenant(params.get("lora"), _allowed_loras(state, tenant))  # every way in: create, remix, edits...
+    return JSONResponse(add_job(state, params, files, tenant).to_api())
+
+
+def add_job(state: State, params: dict[str, Any], files: list[bytes], tenant: str) -> Job:
+    """Queue a checked request's job (every way in: create, remix, edits, image edits), its files stored with it;
+    429 for a full queue, 507 for a full disk, nothing queued."""
+    loras.check_tenant(params.get("lora"), _allowed_loras(state, tenant))
     try:
         job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
                               prompt=params["prompt"], params=params, images=files,
@@ -408,7 +421,7 @@ def _queue(state: State, params: dict[str, Any], files: list[bytes], tenant: str
                             "nothing was queued; retry once an operator has freed space",
                        headers={"Retry-After": "60"}) from None
     state.wake.set()
-    return JSONResponse(job.to_api())
+    return job
 
 
 async def _read(state: State, request: Request, file_fields: tuple[str, ...] = FILE_FIELDS) -> Body:

@@ -28,7 +28,7 @@ import numpy as np
 from .. import helios, hls
 from ..errors import UserError
 from ..files import disk_full
-from . import derive, thumbnails
+from . import derive, images, thumbnails
 from .db import DatabaseUnavailable
 from .jobs import Job, JobStore, Lost, derived_keys
 from .lease import Lease
@@ -84,6 +84,8 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         on_stage(stage)
         check()
 
+    if params.get("task") == images.TASK:  # POST /v1/images/edits: pipe.edit_image, its PNG (runtime/serve/images.py)
+        return images.run_edit(pipe, params, media, s, magcache, steps_done, stage_done, on_preview, check, video)
     if pipe.kind.forcing:  # any length, in overlapping segments: runtime/forcing.py
         source = media.pop("_source", None)  # an extension's (derive.py's "forcing" way): the video continued
         live = on_frames if source is None else derive.forcing_live(params, len(source), on_frames)
@@ -304,7 +306,7 @@ def _run(state: State, job: Job) -> None:
             if state.broadcast is not None:
                 state.broadcast({"params": job.params, "images": images})
             stream = _stream(store, job)
-            with store.storage.writer(key, ".mp4") as video:
+            with store.storage.writer(key, "." + key.rsplit(".", 1)[1]) as video:  # an mp4, or an edit's png
                 frames = run_job(state.pipe, job.params, images, video, on_progress=progress, on_step_time=step_time,
                                  on_stage=stage, on_preview=writer.offer, check=check, on_lora=lora_taken,
                                  on_frames=stream.add)

@@ -1,12 +1,13 @@
 // The playground: one page on the server's public API (/v1/models, /v1/videos, /v1/videos/{id},
 // /v1/videos/{id}/content, its live preview ?variant=thumbnail, a segment kind's live stream
-// /v1/videos/{id}/stream.m3u8), as any client would use it. Everything a user or the server wrote is shown with
+// /v1/videos/{id}/stream.m3u8; an image-editing bundle's /v1/images/edits), as any client would use it. Everything a user or the server wrote is shown with
 // textContent, never as HTML.
 "use strict";
 
 const KEY = "wan-aot-api-key";
 const $ = (id) => document.getElementById(id);
-const videos = new Map(); // job id -> object URL of its downloaded mp4
+const videos = new Map(); // job id -> object URL of its downloaded mp4 (an image edit's: its PNG)
+const images = new Set(); // the ids of image edits' jobs, whose content is a PNG
 const lives = new Map(); // job id -> the hls.js player of its live stream
 let model = null;
 let polling = null;
@@ -38,6 +39,7 @@ function askForKey(message) {
   stopPolling();
   $("model").textContent = "This server needs an API key.";
   $("generate").hidden = true;
+  $("edit-image").hidden = true;
   $("key-form").hidden = false;
   $("key-error").textContent = message || "";
   $("api-key").value = "";
@@ -98,8 +100,53 @@ function showModel(card) {
   $("loras").replaceChildren();
   $("lora-field").hidden = !(card.loras && card.loras.length);
   updateAddLora();
+  $("edit-image").hidden = !card.image_edit;
+  if (card.image_edit) {
+    $("edit-shape").replaceChildren(...card.edit_sizes.map((s) => option(s, s.replace("x", " × "))));
+    $("edit-passes").placeholder = String(card.defaults.steps);
+    $("edit-guidance").placeholder = String(card.defaults.guidance);
+  }
   $("key-form").hidden = true;
   $("generate").hidden = false;
+}
+
+// An image edit (POST /v1/images/edits, as the openai SDK's images.edit sends it): the request waits for the edit's
+// job and answers its PNG (base64), shown here with a download link.
+async function editImage(event) {
+  event.preventDefault();
+  $("edit-error").textContent = "";
+  const form = new FormData();
+  form.append("image", $("edit-file").files[0]);
+  form.append("prompt", $("edit-prompt").value);
+  form.append("size", $("edit-shape").value);
+  form.append("response_format", "b64_json");
+  const numbers = { num_inference_steps: "edit-passes", guidance_scale: "edit-guidance", seed: "edit-noise" };
+  for (const [name, id] of Object.entries(numbers)) if ($(id).value !== "") form.append(name, $(id).value);
+  const prompt = $("edit-prompt").value;
+  $("edit-submit").disabled = true;
+  $("edit-status").textContent = "Editing… (queued as a job: see Jobs)";
+  try {
+    const answer = await (await api("/v1/images/edits", { method: "POST", body: form })).json();
+    const bytes = Uint8Array.from(atob(answer.data[0].b64_json), (c) => c.charCodeAt(0));
+    const url = URL.createObjectURL(new Blob([bytes], { type: "image/png" }));
+    const img = document.createElement("img");
+    img.className = "edited";
+    img.src = url;
+    img.alt = "Edited: " + prompt;
+    const link = document.createElement("a");
+    link.href = url;
+    link.download = "edited.png";
+    link.textContent = "Download the PNG";
+    for (const old of $("edit-result").querySelectorAll("img")) URL.revokeObjectURL(old.src);
+    $("edit-result").replaceChildren(img, link);
+    $("edit-status").textContent = `Edited (${answer.size}).`;
+  } catch (e) {
+    $("edit-status").textContent = "";
+    if (e.status === 401) askForKey(e.message);
+    else $("edit-error").textContent = e.message;
+  } finally {
+    $("edit-submit").disabled = false;
+  }
 }
 
 // LoRA adapters: one row per adapter of the request (at most the server's max_loras), each a name, a scale and, on
@@ -272,7 +319,7 @@ function updateItem(li, job) {
   // once decoded.
   if (job.status === "in_progress" && model && (model.forcing || model.animate || model.helios)) showLive(li, job);
   else if (job.status !== "in_progress") dropLive(li);
-  if (job.status === "completed" && !li.querySelector("video:not(.live)")) showVideo(li, job);
+  if (job.status === "completed" && !li.querySelector("video:not(.live), img.edited")) showVideo(li, job);
 }
 
 async function showPreview(li, job) {
@@ -344,18 +391,28 @@ async function showVideo(li, job) {
     if (!videos.has(job.id)) {
       const blob = await (await api(`/v1/videos/${encodeURIComponent(job.id)}/content`)).blob();
       videos.set(job.id, URL.createObjectURL(blob));
+      if (blob.type === "image/png") images.add(job.id);
     }
-    if (li.querySelector("video:not(.live)")) return;
+    if (li.querySelector("video:not(.live), img.edited")) return;
+    const link = document.createElement("a");
+    link.href = videos.get(job.id);
+    link.textContent = "Download";
+    if (images.has(job.id)) { // an image edit's job: its content is the PNG
+      const img = document.createElement("img");
+      img.className = "edited";
+      img.src = videos.get(job.id);
+      img.alt = "Image: " + job.prompt;
+      link.download = job.id + ".png";
+      li.append(img, link);
+      return;
+    }
     const video = document.createElement("video");
     video.controls = true;
     video.loop = true;
     video.muted = true;
     video.src = videos.get(job.id);
     video.setAttribute("aria-label", "Video: " + job.prompt);
-    const link = document.createElement("a");
-    link.href = videos.get(job.id);
     link.download = job.id + ".mp4";
-    link.textContent = "Download";
     li.append(video, link);
   } catch (e) {
     li.querySelector(".error").textContent = "Cannot load the video: " + e.message;
@@ -396,6 +453,7 @@ function stopPolling() {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("generate").addEventListener("submit", generate);
+  $("edit-image").addEventListener("submit", editImage);
   $("size").addEventListener("change", fillDurations);
   $("add-lora").addEventListener("click", () => {
     $("loras").append(loraRow());
