@@ -387,6 +387,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seconds", type=float, default=60.0, metavar="SECONDS",
                    help="diffusion forcing bundles: the longest video a job may ask for (`seconds`); longer get 400 "
                         "(default 60)")
+    s.add_argument("--max-sync-seconds", type=float, default=600.0, metavar="SECONDS",
+                   help="image-editing bundles (ChronoEdit): how long POST /v1/images/edits waits for its job (the "
+                        "queue, then the edit) before it answers 504 and cancels the job (default 600, the openai "
+                        "SDK's own timeout)")
     s.add_argument("--tenant-queue-size", type=int, default=None, metavar="N",
                    help="jobs one tenant may have waiting; more get 429 (default: --queue-size)")
     from .serve.limits import Limits
@@ -720,6 +724,8 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-steps {args.max_steps} must be in 1..1000")
     if not 0 < args.max_seconds <= 3600:
         raise UserError(f"--max-seconds {args.max_seconds} must be a number of seconds in (0, 3600]")
+    if not 0 < args.max_sync_seconds <= 86400:
+        raise UserError(f"--max-sync-seconds {args.max_sync_seconds} must be a number of seconds in (0, 86400]")
     for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb"):
         value = getattr(args, name)
         if value is None:  # --max-body-mb left out: the bundle's
@@ -768,6 +774,7 @@ def serve(args: argparse.Namespace) -> int:
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,
                         queue_wait=args.queue_wait, store_retry=args.store_retry_seconds,
                         max_steps=args.max_steps, max_seconds=args.max_seconds,
+                        max_sync_seconds=args.max_sync_seconds,
                         names=server_names(args.host, args.allowed_host), limits=limits, webhooks=webhooks,
                         loras=tuple(offered.values()), max_loras=args.max_loras,
                         lora_affinity_max=args.lora_affinity_max)
