@@ -47,6 +47,9 @@ def _denoise_args(p: argparse.ArgumentParser) -> None:
                         "(DPMSolverMultistepScheduler, 2M): any of them on the same programs; a flow-map model "
                         "(AnyFlow) runs flowmap (FlowMapEulerDiscreteScheduler) or euler (the same update, r = t) "
                         "(default: the bundle's)")
+    p.add_argument("--use-mean-velocity", type=_bool, default=None, metavar="true|false",
+                   help="flow-map models (AnyFlow): tell the DiT the step's target timestep (true: sampler flowmap, "
+                        "the default) or not (false: sampler euler, r = t), as AnyFlowPipeline's use_mean_velocity")
     p.add_argument("--sigmas", default=None, metavar="S1,S2,...",
                    help="custom noise levels, one per step, before the flow shift (e.g. lightx2v's 4 steps: "
                         "1,0.75,0.5,0.25); they set --steps (default: the bundle's, with its default steps)")
@@ -522,6 +525,10 @@ def run(args: argparse.Namespace) -> int:
         from .chronoedit import check_out
 
         check_out(pipe.kind, args.out)
+    if getattr(args, "use_mean_velocity", None) is not None:  # AnyFlow's switch is a sampler: checked before any work
+        from .samplers import mean_velocity_sampler
+
+        args.sampler = mean_velocity_sampler(args.use_mean_velocity, args.sampler, pipe.kind.flow_map)
     if pipe.kind.animate and args.command in ("denoise", "calibrate"):
         from .errors import UserError
 
