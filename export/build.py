@@ -23,7 +23,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from runtime import images, kinds, samplers
+from runtime import chronoedit, images, kinds, samplers
 from runtime import scheduler as sched
 from runtime import settings as run_settings
 from runtime.errors import UserError
@@ -281,6 +281,8 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
     if chunks is not None:
         for g in shapes:
             check_pyramid(g, chunks)
+    if kind.chronoedit:  # every run ends on the edit's 2 latent frames (runtime/chronoedit.py)
+        chronoedit.check_shapes(shapes)
     adapters = lora.read_merges(list(s.loras), expert_shapes(src)) if s.loras else []
     attention = attention_for(s.target, s.attention)
     mesh = abstract_mesh(s.target)

@@ -57,6 +57,16 @@ def edit_shape(pipe: engine.Pipeline, size: engine.Size = None) -> mf.Geometry:
                     f"--frames {frames} (and the frame counts to reason over, e.g. --frames {frames},29)")
 
 
+def check_shapes(shapes: Sequence[mf.Geometry]) -> None:
+    """An export's shapes (export/build.py): every run ends on the edit's 2 latent frames (a plain edit, and temporal
+    reasoning's last steps), so --frames must hold their count; UserError naming it, before any tracing."""
+    if shapes and not any(g.latent_frames == EDIT_LATENT_FRAMES for g in shapes):
+        frames = (EDIT_LATENT_FRAMES - 1) * shapes[0].temporal_scale + 1
+        given = ",".join(str(f) for f in dict.fromkeys(g.frames for g in shapes))
+        raise UserError(f"ChronoEdit edits on {frames} frames ({EDIT_LATENT_FRAMES} latent frames), where every run "
+                        f"ends: --frames {given} lacks {frames} (add it: --frames {frames},{given})")
+
+
 def _steps(k: object) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise UserError(f"temporal_reasoning_steps must be an integer >= 0, got {k!r}")

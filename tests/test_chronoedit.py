@@ -120,7 +120,8 @@ def test_refusals_are_one_line_and_write_nothing(chronoedit: tuple[Path, Path], 
                                                 tmp_path: Path) -> None:
     """Temporal reasoning with another sampler than UniPC (whose history it trims), with as many reasoning steps as
     steps, over a frame count the bundle lacks; reasoning frames without temporal reasoning; a .png out or
-    temporal reasoning for a video bundle, edit_image on one: one line each, exit 2, nothing written."""
+    temporal reasoning for a video bundle, edit_image on one; an export without the edit's 5 frames: one line each,
+    exit 2, nothing written."""
     from runtime.errors import UserError
 
     bundle = str(chronoedit[1])
@@ -152,6 +153,12 @@ def test_refusals_are_one_line_and_write_nothing(chronoedit: tuple[Path, Path], 
 
     with pytest.raises(UserError, match=re.escape("edit_image is for image-editing models (ChronoEdit)")):
         runtime.load(GOLDEN).edit_image(source, PROMPT)
+    out = tmp_path / "nine"  # an export without the edit's shape, where every run ends
+    proc = run_module("export", "--model", str(chronoedit[0]), "--resolution", f"{W}x{H}", "--frames", str(REASON),
+                      "--out", str(out), "-q", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
+    assert proc.stderr.strip().splitlines()[-1] == ("error: ChronoEdit edits on 5 frames (2 latent frames), where "
+                                                    "every run ends: --frames 9 lacks 5 (add it: --frames 5,9)")
 
 
 def test_detected_from_its_pipeline_or_transformer_and_its_architecture_name() -> None:
