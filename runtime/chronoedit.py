@@ -170,7 +170,7 @@ def last_frame(frames: np.ndarray, index: int = 0) -> Image.Image:
     truncated, as diffusers' export and ChronoEdit's script save it)."""
     from PIL import Image
 
-    return Image.fromarray(to_uint8(np.asarray(frames)[index, -1]), "RGB")
+    return Image.fromarray(to_uint8(np.asarray(frames)[index, -1]))  # uint8 (H, W, 3): RGB
 
 
 def edit_image(pipe: Any, image: Any, prompt: str, negative_prompt: str = "", seed: int = 0, steps: int | None = None,
