@@ -115,6 +115,10 @@ def test_the_openai_sdk_edits_an_image(server: SimpleNamespace, pipe, source: Pa
     assert (job.status, job.prompt, job.size, job.progress) == ("completed", PROMPT, "64x32", 100)
     content = httpx.get(f"{server.url}/v1/videos/{job.id}/content", headers=server.headers)
     assert content.headers["content-type"] == "image/png" and content.content == data
+    remix = httpx.post(f"{server.url}/v1/videos/{job.id}/remix", json={"prompt": "again"}, headers=server.headers)
+    assert (remix.status_code, remix.json()["error"]["message"]) == (400, f"video {job.id} is an image edit, whose "
+                                                                          "content is a PNG: edit the image again "
+                                                                          "with POST /v1/images/edits")
 
     video = server.client.videos.create_and_poll(prompt=PROMPT, input_reference=open(source, "rb"),  # noqa: SIM115
                                                  extra_body={"num_inference_steps": 1}, poll_interval_ms=50)
@@ -171,8 +175,9 @@ def test_bad_input_is_one_line_and_queues_nothing(server: SimpleNamespace, sourc
 
 def test_a_cancelled_edit_answers_an_error_and_a_slow_one_504(tmp_path: Path) -> None:
     """On the in-process ChronoEdit offer: an edit whose running job is cancelled (POST /v1/videos/{id}/cancel)
-    answers 409 `cancelled` at once, which the SDK does not retry (one job, not three); with no worker and
-    --max-sync-seconds 1, the answer is a 504 saying how to raise the bound, and the job is cancelled."""
+    answers 409 `cancelled` at once, which the SDK does not retry (one job, not three); a client that stops waiting
+    has its edit's job cancelled; with no worker and --max-sync-seconds 1, the answer is a 504 saying how to raise
+    the bound, and the job is cancelled."""
     import httpx
 
     from runtime.serve.images import NO_RETRY
@@ -208,6 +213,19 @@ def test_a_cancelled_edit_answers_an_error_and_a_slow_one_504(tmp_path: Path) ->
         ended = store.list(10)[0]
         assert [(j.id, j.status, j.error_code, j.video) for j in ended] == [(jobs[0].id, "failed", "cancelled", None)]
         assert not list((tmp_path / "cancel" / "jobs" / "videos").iterdir())  # no PNG stored
+
+        hold.clear()  # a client that stops waiting: its edit's job is cancelled rather than run for nobody
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/images/edits", timeout=1.0,
+                       files={"image": ("in.png", png.getvalue(), "image/png"), "prompt": (None, "left")})
+        gone = store.list(1)[0][0]
+        deadline = time.time() + 30
+        while (gone := store.get(gone.id)).status != "failed":
+            assert time.time() < deadline, gone
+            time.sleep(0.05)
+        hold.set()
+        assert (gone.prompt, gone.error_code, gone.error_message) == (
+            "left", "cancelled", "the image edit was cancelled: its client went away before it ended")
     with serving_offer("chronoedit", tmp_path / "slow", worker=False, max_sync_seconds=1.0) as server:
         t0 = time.time()
         r = httpx.post(server.url + "/v1/images/edits", files={"image": ("in.png", png.getvalue(), "image/png"),

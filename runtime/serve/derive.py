@@ -183,6 +183,9 @@ def load_source(store: Any, tenant: str, video_id: str | None, upload: bytes | N
         if job.status != "completed" or not job.video:
             raise ApiError(409, f"video {video_id} is {job.status}, not completed: a remix, edit or extension starts "
                                 "from a completed video", param, code="video_not_ready")
+        if job.params.get("task") == "image_edit":  # its content is a PNG (runtime/serve/images.py)
+            raise ApiError(400, f"video {video_id} is an image edit, whose content is a PNG: edit the image again with "
+                                "POST /v1/images/edits", param)
         if not store.storage.exists(job.video):
             raise ApiError(404, f"the file of video {video_id} is gone from the video storage", param)
         data = store.storage.read(job.video)

@@ -217,27 +217,38 @@ async def _wait(state: Any, request: Request, job: Job) -> JSONResponse:
     store, bound = state.store, state.settings.max_sync_seconds
     deadline = time.monotonic() + bound
     pause = POLL_S[0]
-    while True:
-        now = await run_in_threadpool(store.get, job.id)
-        if now is None or now.status in ("completed", "failed"):
-            return await run_in_threadpool(_answer, store, job, now)
-        if await request.is_disconnected():
-            await run_in_threadpool(_give_up, store, job, "its client went away before it ended")
-            return JSONResponse({}, status_code=499)  # (nobody reads it)
-        if state.draining.is_set() and now.status == "queued":
-            await run_in_threadpool(_give_up, store, job, "the server is draining")
-            raise ApiError(503, f"the server is shutting down and did not start the image edit (job {job.id}, "
-                                "cancelled): retry on another instance", code="draining",
-                           headers={"Retry-After": "5", **NO_RETRY})
-        if time.monotonic() >= deadline:
-            ended = await run_in_threadpool(_give_up, store, job, f"it did not end within {bound:g} s")
-            if ended is not None:  # it ended as the bound passed: its own answer
-                return await run_in_threadpool(_answer, store, job, ended)
-            raise ApiError(504, f"the image edit did not finish within {bound:g} s (serve --max-sync-seconds) and was "
-                                f"cancelled (job {job.id}): start the server with a larger --max-sync-seconds, or ask "
-                                "for fewer num_inference_steps", code="edit_timeout", headers=NO_RETRY)
-        await asyncio.sleep(pause)
-        pause = min(POLL_S[1], pause * 2)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        while True:
+            now = await run_in_threadpool(store.get, job.id)
+            if now is None or now.status in ("completed", "failed"):
+                return await run_in_threadpool(_answer, store, job, now)
+            if gone.done():
+                await run_in_threadpool(_give_up, store, job, "its client went away before it ended")
+                return JSONResponse({}, status_code=499)  # (nobody reads it)
+            if state.draining.is_set() and now.status == "queued":
+                await run_in_threadpool(_give_up, store, job, "the server is draining")
+                raise ApiError(503, f"the server is shutting down and did not start the image edit (job {job.id}, "
+                                    "cancelled): retry on another instance", code="draining",
+                               headers={"Retry-After": "5", **NO_RETRY})
+            if time.monotonic() >= deadline:
+                ended = await run_in_threadpool(_give_up, store, job, f"it did not end within {bound:g} s")
+                if ended is not None:  # it ended as the bound passed: its own answer
+                    return await run_in_threadpool(_answer, store, job, ended)
+                raise ApiError(504, f"the image edit did not finish within {bound:g} s (serve --max-sync-seconds) and "
+                                    f"was cancelled (job {job.id}): start the server with a larger --max-sync-seconds, "
+                                    "or ask for fewer num_inference_steps", code="edit_timeout", headers=NO_RETRY)
+            await asyncio.wait([gone], timeout=min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(POLL_S[1], pause * 2)
+    finally:
+        gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone (its connection closed): the body has been read, so what the server receives
+    next is the disconnect (as Starlette's StreamingResponse listens for it)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _give_up(store: Any, job: Job, why: str) -> Job | None:
