@@ -732,7 +732,8 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 < args.max_seconds <= 3600:
         raise UserError(f"--max-seconds {args.max_seconds} must be a number of seconds in (0, 3600]")
     if not 0 < args.max_sync_seconds <= 86400:
-        raise UserError(f"--max-sync-seconds {args.max_sync_seconds} must be a number of seconds in (0, 86400]")
+        raise UserError(f"--max-sync-seconds {args.max_sync_seconds:g} must be a number of seconds in (0, 86400]: "
+                        "how long an image edit's request waits for its job")
     for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb"):
         value = getattr(args, name)
         if value is None:  # --max-body-mb left out: the bundle's
