@@ -183,8 +183,9 @@ def test_what_a_kind_cannot_make_is_refused_and_left_out_of_its_document(tmp_pat
         r = httpx.post(server.url + "/v1/images/edits", data={"prompt": "a hat"})
         assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found"), r.text
         assert r.json()["error"]["message"] == (
-            "this bundle is Wan 2.2 Animate (a character from an image, moved by pose and face videos): it makes videos "
-            "(POST /v1/videos); image edits (POST /v1/images/edits) are served for image-editing bundles (ChronoEdit)")
+            "this bundle is Wan 2.2 Animate (a character from an image, moved by pose and face videos): it makes "
+            "videos (POST /v1/videos); image edits (POST /v1/images/edits) are served for image-editing bundles "
+            "(ChronoEdit)")
     with serving_offer("i2v", tmp_path / "i2v") as server:
         paths = httpx.get(server.url + "/openapi.json").json()["paths"].keys()
         assert derived <= paths and "/v1/images/edits" not in paths

@@ -1,8 +1,9 @@
-"""Image edits, `POST /v1/images/edits` (runtime/serve/images.py), on the tiny ChronoEdit bundle (tests/test_chronoedit.py's
-fixtures): the openai SDK's `client.images.edit` gets the PNG the pipeline's `edit_image` makes with the request's
-settings, through a job of the queue; the bundle still makes its short videos; bad input is one line and queues
-nothing; the playground's image-edit form, in chromium. Cancelling the edit's job, and a job past --max-sync-seconds,
-on test_api_kinds' in-process ChronoEdit offer, whose FakeChronoEdit holds an edit as long as the test needs.
+"""Image edits, `POST /v1/images/edits` (runtime/serve/images.py), on the tiny ChronoEdit bundle
+(tests/test_chronoedit.py's fixtures): the openai SDK's `client.images.edit` gets the PNG the pipeline's
+`edit_image` makes with the request's settings, through a job of the queue; the bundle still makes its short
+videos; bad input is one line and queues nothing; the playground's image-edit form, in chromium. Cancelling the
+edit's job, a client that stops waiting, and a job past --max-sync-seconds, on test_api_kinds' in-process ChronoEdit
+offer, whose FakeChronoEdit holds an edit as long as the test needs.
 
 The ChronoEdit server runs in this process (the app, its worker thread and uvicorn on a loopback port, as
 runtime/serve/server.py puts them together) on the fixtures' loaded pipeline: one load and compile for every test
@@ -92,7 +93,8 @@ def _png(b64: str):
     return Image.open(io.BytesIO(data)), data
 
 
-def test_the_openai_sdk_edits_an_image(server: SimpleNamespace, pipe, source: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_the_openai_sdk_edits_an_image(server: SimpleNamespace, pipe, source: Path,  # noqa: F811
+                                       tmp_path: Path) -> None:
     """`client.images.edit(image=open(png), prompt, n, size, response_format, extra_body=...)` answers an
     ImagesResponse whose one PNG is, pixel for pixel, `pipe.edit_image` with the request's seed, steps and guidance;
     its job is listed as completed, and its content is that PNG. The bundle's /v1/videos still makes its 5 frames."""
@@ -171,6 +173,17 @@ def test_bad_input_is_one_line_and_queues_nothing(server: SimpleNamespace, sourc
         server.client.images.edit(image=open(source, "rb"), prompt=PROMPT, n=2)  # noqa: SIM115
     assert [j.id for j in server.state.store.list(100)[0]] == before  # nothing queued
     assert not list((server.jobs / "images").iterdir())  # nothing stored
+
+
+def test_serve_takes_max_sync_seconds(chronoedit) -> None:  # noqa: F811
+    """`serve --max-sync-seconds` (in `serve --help`) refuses a bound that is not a positive number in one line."""
+    from .conftest import run_cli
+
+    assert "--max-sync-seconds SECONDS" in run_cli("runtime", "serve", "--help").stdout
+    proc = run_cli("runtime", "serve", str(chronoedit[1]), "--max-sync-seconds", "0", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --max-sync-seconds 0 must be a number of seconds in (0, 86400]: how long an image edit's request waits "
+        "for its job")
 
 
 def test_a_cancelled_edit_answers_an_error_and_a_slow_one_504(tmp_path: Path) -> None:

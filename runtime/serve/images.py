@@ -1,6 +1,6 @@
-"""The OpenAI Images API's edits, `POST /v1/images/edits`, on an image-editing bundle (ChronoEdit: kinds.Kind.chronoedit),
-as openai's `client.images.edit(image=open("in.png", "rb"), prompt=...)` calls it: a multipart form in, an
-ImagesResponse out (`{"created", "data": [{"b64_json": PNG}], "output_format": "png", "size"}`).
+"""The OpenAI Images API's edits, `POST /v1/images/edits`, on an image-editing bundle (ChronoEdit:
+kinds.Kind.chronoedit), as openai's `client.images.edit(image=open("in.png", "rb"), prompt=...)` calls it: a
+multipart form in, an ImagesResponse out (`{"created", "data": [{"b64_json": PNG}], "output_format": "png", "size"}`).
 
 The SDK waits for its answer (no polling: an image edit has no id of its own to poll), so the request is synchronous;
 the edit itself is still a job of the queue, like a video job: the same tenants, turns, queue limits, lease and
