@@ -42,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from . import openapi as oa
 from .errors import ApiError
 from .jobs import CANCELLED, Job
-from .schema import BY_NAME, Body, Offer, _number, file_schema, parse_request
+from .schema import BY_NAME, Body, Offer, _number, file_schema, parse_request, seconds_of
 
 log = logging.getLogger("runtime")
 
@@ -61,7 +61,7 @@ POLL_S = (0.05, 0.25)  # the wait's first and longest pause between reads of the
 
 def edits(offer: Offer) -> bool:
     """Whether this bundle edits images (its kind's row says so: kinds.Kind.chronoedit)."""
-    return bool(getattr(offer.kind, "chronoedit", False))
+    return offer.kind.chronoedit
 
 
 def edit_sizes(offer: Offer) -> list[str]:
@@ -184,7 +184,8 @@ def parse(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None) 
         if e.param == "input_reference":
             e.param, e.message = "image", e.message.replace("input_reference", "image")
         raise
-    params["frames"], params["task"] = EDIT_FRAMES, TASK
+    # the edit shape's frames (the job's `seconds` says them), whatever the size's default shape
+    params.update(frames=EDIT_FRAMES, seconds=seconds_of(EDIT_FRAMES, params["fps"]), task=TASK)
     return params, images[0]
 
 

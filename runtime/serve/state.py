@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .access import Names
+from .images import DEFAULT_MAX_SYNC_SECONDS
 from .jobs import JobStore
 from .lease import DEFAULT_STALL_S
 from .limits import Limits, Slots
@@ -36,7 +37,7 @@ class Settings:
     ui: bool = True  # the playground page at GET / (runtime/serve/ui/)
     max_steps: int = MAX_STEPS  # the most denoising steps a job may ask for (MAX_STEPS at most)
     max_seconds: float = DEFAULT_MAX_SECONDS  # diffusion forcing bundles: the longest video a job may ask for
-    max_sync_seconds: float = 600.0  # the longest an image edit's request waits for its job (images.py)
+    max_sync_seconds: float = DEFAULT_MAX_SYNC_SECONDS  # the longest an image edit's request waits for its job
     names: Names = field(default_factory=Names)  # the Host names requests may use (access.py); default: any
     limits: Limits = field(default_factory=Limits)  # timeouts and sizes (limits.py)
     webhooks: WebhookConfig = field(default_factory=WebhookConfig)  # --webhook-url/-secret/-allow (webhooks.py)
