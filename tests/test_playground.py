@@ -90,7 +90,7 @@ def test_the_page_makes_a_video_in_the_browser(browser, ui_server: Server, tmp_p
     assert page.get_by_label("Duration").locator("option").all_inner_texts() == ["9 frames (0.5625 s)",
                                                                                  "5 frames (0.3125 s)"]
     page.get_by_label("Duration").select_option("0.5625")
-    for hidden in ("Guidance 2", "Image (first frame)", "Last frame"):
+    for hidden in ("Guidance 2", "Image (first frame)", "Last frame", "Image to edit"):  # (image edits: ChronoEdit)
         assert not page.get_by_label(hidden).is_visible()
 
     # a prompt made of HTML, submitted from the keyboard
