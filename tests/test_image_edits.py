@@ -165,6 +165,10 @@ def test_bad_input_is_one_line_and_queues_nothing(server: SimpleNamespace, sourc
         error = r.json()["error"]
         assert (r.status_code, error["param"], error["message"]) == (status, param, message), r.text
         assert "\n" not in error["message"]
+    two = [("image[]", png), ("image[]", png), ("prompt", (None, PROMPT))]  # as the SDK sends a list of images
+    r = httpx.post(server.url + "/v1/images/edits", files=two, headers=server.headers)
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, "2 images: a ChronoEdit bundle edits one image per request"), r.text
     r = httpx.post(server.url + "/v1/images/edits", json={"prompt": PROMPT}, headers=server.headers)
     assert r.status_code == 415 and r.json()["error"]["message"] == (
         "unsupported content type 'application/json': send the image edit as multipart/form-data (as the openai "
