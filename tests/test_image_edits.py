@@ -129,6 +129,26 @@ def test_the_openai_sdk_edits_an_image(server: SimpleNamespace, pipe, source: Pa
     assert frames.shape == (5, 32, 64, 3)
 
 
+@pytest.mark.slow
+def test_runtime_serve_answers_the_sdks_edit(chronoedit, pipe, source: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The same edit from `python -m runtime serve` (its own process: the flags, server.py's wiring, the h11 limits)
+    with --max-sync-seconds: the PNG is `pipe.edit_image`'s; /v1/models says it edits images, and at which sizes."""
+    import httpx
+
+    from .test_serve import serving
+
+    with serving(chronoedit[1], tmp_path / "jobs", "--api-key", KEY, "--max-steps", "2",
+                 "--max-sync-seconds", "120") as served:
+        card = httpx.get(served.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]
+        assert (card["kind"], card["image_edit"], card["edit_sizes"]) == ("chronoedit", True, ["64x32"])
+        with open(source, "rb") as f:
+            answer = served.client(KEY).images.edit(image=f, prompt=PROMPT, extra_body={"seed": 5,
+                                                                                        "num_inference_steps": 1})
+    image, _ = _png(answer.data[0].b64_json)
+    expected = pipe.edit_image(source, PROMPT, seed=5, steps=1, progress=False)
+    assert image.size == (64, 32) and np.array_equal(np.asarray(image), np.asarray(expected))
+
+
 def _mp4(tmp_path: Path) -> bytes:
     from runtime.video import write_video
 
