@@ -15,8 +15,8 @@ it), for at most `serve --max-sync-seconds`:
     the client     gone before the end: the job is cancelled, so the one worker is not held for an unread answer
     a drain        (SIGTERM) while the job still waits: 503 `draining`, the job cancelled (this server takes none)
 
-Every answer past the queueing carries `x-should-retry: false`: the SDK retries 409 and 5xx by default, which here
-would queue the same edit again (or wait the bound again) behind the client's back.
+Every error answered once the job is queued carries `x-should-retry: false`: the SDK retries 409 and 5xx by default,
+which here would queue the same edit again (or wait out the bound again) behind the caller's back.
 
 Everything is checked before anything is queued or written (one-line 400s naming the field): the image (a file Pillow
 reads: a video is refused), the prompt, `n` (1: one edit per request), `size` (one this bundle edits at, or `auto`),
