@@ -105,7 +105,7 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
                                  "max_error_levels": r.max_error_levels, "velocity_rel_error": r.velocity_rel_error})
             log(f"{workload} {dtype} {sampler} at {steps} steps compared")
     fidelity.notes.append("One prompt, seed 0, the same initial latents; unipc is the reference.")
-    return [video, fidelity], {"workload": workload, "dtype": dtype, "times": times, "fidelity": raw_fidelity}
+    return [video, *([fidelity] if a.sampler_steps else [])], {"workload": workload, "dtype": dtype, "times": times, "fidelity": raw_fidelity}
 
 
 def run(a: argparse.Namespace) -> Report:
