@@ -118,6 +118,13 @@ def test_bundle_defaults_and_what_it_refuses(anyflow: tuple[Path, Path], pipe, t
     assert manifest["kind"] == "anyflow"
     assert {k: manifest["defaults"][k] for k in ("steps", "guidance", "sampler")} == \
         {"steps": 4, "guidance": 1.0, "sampler": "flowmap"}
+    from typing import get_args
+
+    from runtime import samplers
+    from runtime.serve import openapi
+
+    # /v1/models documents every sampler a bundle may default to (a flow-map bundle's is flowmap)
+    assert set(get_args(openapi.Defaults.model_fields["sampler"].annotation)) == set(samplers.SAMPLERS)
     out = tmp_path / "x.mp4"
     for flags, says in ((["--sampler", "unipc"], "sampler unipc treats past outputs as instantaneous velocities"),
                         (["--sampler", "dpm++"], "sampler dpm++ treats past outputs as instantaneous velocities"),

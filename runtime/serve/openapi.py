@@ -94,7 +94,7 @@ class Defaults(_Strict):
     guidance: float
     guidance_2: float | None
     flow_shift: float
-    sampler: Literal["unipc", "euler", "dpm++"]
+    sampler: Literal["unipc", "euler", "dpm++", "flowmap"]  # samplers.SAMPLERS
     sigmas: list[float] | None
 
 
