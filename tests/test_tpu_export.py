@@ -1,8 +1,8 @@
 """Programs for TPU slices built on this CPU-only machine from an architecture name alone.
 
-Real sizes: Wan2.1-14B at 720p / 81 frames for tpu-v6e-8, the Wan 2.2 / image-to-video family (two experts on a
-4-chip v6e, TI2V-5B at 121 frames, I2V with CLIP on 16 chips), VACE and Wan-Animate; the 1.3B at 480p for a 4-chip v6e
-in the slow tier.
+Real sizes: the Wan 2.2 / image-to-video family (two experts on a 4-chip v6e at 720p in two shapes, I2V with CLIP on 16
+chips), VACE and Wan-Animate at 720p / 81 frames (77 for Animate) for tpu-v6e-8; in the slow tier, Wan2.1-14B's two
+shapes for tpu-v6e-8, TI2V-5B at 121 frames, the fp8 I2V-A14B and the 1.3B at 480p for a 4-chip v6e.
 Nothing runs here (no TPU); the tests read what was baked into the programs.
 """
 
@@ -39,9 +39,13 @@ CASES = {  # name: (architecture, resolution, target, devices, heads, frames, --
 }
 
 
-# The slow tier's cases: TI2V-5B's, the fp8 I2V-A14B's and the 1.3B's programs (an export each). The default run's cases
-# cover each target (v6e-4: the A14B; v6e-8; v6e-16), one expert and two, CLIP, VACE, Animate, int8 and int8-dynamic.
-SLOW = {"ti2v-5b-720p-v6e-8", "i2v-a14b-480p-v6e-8", "1.3b-480p-v6e-4"}
+# The slow tier's cases: the 14B's, TI2V-5B's, the fp8 I2V-A14B's and the 1.3B's programs (an export each). The default
+# run's cases cover each target (v6e-4: the A14B; v6e-8: VACE, Animate; v6e-16), one expert and two, two shapes (the
+# A14B's landscape and portrait), CLIP, VACE, Animate, int8 and int8-dynamic; test_fit compiles a bundle without
+# quantization for tpu-v6e-8 with libtpu.
+SLOW = {"14b-720p-v6e-8", "ti2v-5b-720p-v6e-8", "i2v-a14b-480p-v6e-8", "1.3b-480p-v6e-4"}
+# The default run's bundle of two shapes (landscape and portrait): one copy of each expert's weights.
+TWO_SHAPES = "t2v-a14b-720p-v6e-4"
 
 
 def _cases(names) -> list:
@@ -251,12 +255,12 @@ def check_weight_shardings(bundle: Path) -> None:
 
 
 def test_vae_activations_split_on_width_or_height(tpu_bundles: dict[str, Path]) -> None:
-    """1280x720's latents are 160 wide: split on width over the 8 devices; 720x1280's are 90 wide and 160 high:
-    on height."""
+    """1280x720's latents are 160 wide: split on width over the 4 devices; 720x1280's are 90 wide (4 do not divide
+    it) and 160 high: on height."""
     every = ("dp", "sp", "tp")
     for name, dim, frames in (("vae_decode_next", -1, (1, 4, 720, 1280, 3)),
                               ("vae_decode_next@720x1280", -2, (1, 4, 1280, 720, 3))):
-        exp = _program(tpu_bundles["14b-720p-v6e-8"], name)
+        exp = _program(tpu_bundles[TWO_SHAPES], name)
         (_, *inputs), _ = jax.tree.unflatten(exp.in_tree, exp._in_named_shardings)
         (_, *avals), _ = jax.tree.unflatten(exp.in_tree, exp.in_avals)
         assert len(inputs) > 1  # the latents, then the caches
@@ -267,16 +271,18 @@ def test_vae_activations_split_on_width_or_height(tpu_bundles: dict[str, Path]) 
 
 
 def test_several_shapes_share_the_weights_and_have_programs_each(tpu_bundles: dict[str, Path]) -> None:
-    """The 14B bundle of two shapes: one set of weights; each shape's DiT traced for its own tokens (the latents
-    of 720x1280 are 160 high and 90 wide), with the same weight shardings."""
-    bundle = tpu_bundles["14b-720p-v6e-8"]
+    """The A14B bundle of two shapes: one set of weights (per expert); each shape's DiT traced for its own tokens (the
+    latents of 720x1280 are 160 high and 90 wide), with the same weight shardings."""
+    bundle = tpu_bundles[TWO_SHAPES]
     m = mf.read(bundle)
     assert [g.shape for g in m.shapes] == [(1280, 720, 81), (720, 1280, 81)]
-    assert set(m.weights) == {"text_encoder", "transformer", "vae"}
-    wide, tall = m.programs["denoise_step"], m.programs["denoise_step@720x1280x81"]
-    assert wide.inputs["state"].shape[-2:] == (90, 160) and tall.inputs["state"].shape[-2:] == (160, 90)
-    assert wide.file != tall.file and wide.blocks.block.file != tall.blocks.block.file
-    assert _program_specs(bundle, wide) == _program_specs(bundle, tall)
+    assert set(m.weights) == {"text_encoder", "transformer", "transformer_2", "vae"}
+    for expert in ("denoise_step", "denoise_step_2"):
+        wide, tall = m.programs[expert], m.programs[f"{expert}@720x1280x81"]
+        assert wide.inputs["state"].shape[-2:] == (90, 160) and tall.inputs["state"].shape[-2:] == (160, 90)
+        assert wide.file != tall.file and wide.blocks.block.file != tall.blocks.block.file
+        assert wide.weights == tall.weights
+        assert _program_specs(bundle, wide) == _program_specs(bundle, tall)
     assert "cross_kv@720x1280x81" not in m.programs and "text_encoder@720x1280x81" not in m.programs
 
 
