@@ -49,6 +49,17 @@ def context() -> multiprocessing.context.BaseContext:
         return _context
 
 
+def start(argv: list[str], env: dict[str, str], cwd: str, logs: str) -> multiprocessing.process.BaseProcess:
+    """`python -m export ARGV` started (not awaited) in `cwd` with environment `env`, its stdout, stderr and exit code
+    written under the directory `logs`; the process (its pid, kill, join) is the caller's."""
+    out, err, status = (os.path.join(logs, name) for name in ("out", "err", "status"))
+    for path in (out, err):
+        open(path, "w").close()
+    proc = context().Process(target=_child, args=(argv, env, cwd, out, err, status))
+    proc.start()
+    return proc
+
+
 def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
     """`python -m export ARGV` in `cwd` with environment `env`; as subprocess.run(..., capture_output=True) returns
     it. Raises subprocess.TimeoutExpired (the process killed) after `timeout` seconds."""

@@ -11,9 +11,7 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -265,19 +263,28 @@ def test_schema_policy(bundle_copy: Path) -> None:
 # -- export ----------------------------------------------------------------------------------------
 
 def test_interrupted_export_leaves_no_bundle(checkpoints, tmp_path: Path) -> None:
+    """An export killed (SIGKILL) once it has written a program leaves its temporary directory and no bundle; the next
+    export sweeps it. The killed export is forked from the export fork server (tests/export_fork.py), as run_module's
+    are: a process of its own, without a new interpreter's imports."""
+    import tempfile
+
+    from . import export_fork
+
     variant, res, frames, max_len = CASES["tiny-64x32-f9"]
     out = tmp_path / "b"
     args = ["export", "--model", str(checkpoints[variant]), "--resolution", res, "--frames", str(frames),
             "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(out), "-q"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    partial = tmp_path / f".b.partial-{proc.pid}"
-    deadline = time.time() + 300
-    while not list(partial.glob("stages/*.jaxexport")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with tempfile.TemporaryDirectory(prefix="wan-aot-export-") as logs:
+        proc = export_fork.start(args[1:], env, str(ROOT), logs)
+        try:
+            partial = tmp_path / f".b.partial-{proc.pid}"
+            deadline = time.time() + 300
+            while not list(partial.glob("stages/*.jaxexport")) and proc.is_alive() and time.time() < deadline:
+                time.sleep(0.02)
+        finally:
+            proc.kill()  # SIGKILL
+            proc.join()
     assert partial.is_dir(), "the export finished before it could be interrupted"
     assert not out.exists()
     with pytest.raises(BundleError, match="is not a bundle directory"):
