@@ -93,10 +93,14 @@ def test_layout_and_description(savedmodels, fp32_bundles) -> None:
     assert not list(directory.parent.glob(".*partial*"))
 
 
-@pytest.mark.parametrize("name", ["seed", pytest.param("latents", marks=pytest.mark.slow)])
+# The slow tier's: text-to-video is the path of test_tf_client_first_and_last_frame without its image stages (the same
+# client from a seed, with --guidance and --flow-shift), and the fixture's --validate runs each of this SavedModel's
+# signatures against JAX.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["seed", "latents"])
 def test_tf_client_matches_the_runtime(savedmodels, fp32_bundles, tmp_path: Path, name: str) -> None:
     """The same frames from TensorFlow (no jax in the process) as from the runtime (max abs error <= 1e-4), from the
-    same seed (the SavedModel draws the runtime's noise) and (the slow tier) on the same initial latents given."""
+    same seed (the SavedModel draws the runtime's noise) and on the same initial latents given."""
     bundle = fp32_bundles["tiny-64x32-f9"]
     pipe = runtime.load(bundle)
     init = np.random.default_rng(3).standard_normal(pipe.geometry.latent_shape).astype(np.float32)
@@ -131,21 +135,25 @@ def test_tf_client_two_experts(savedmodels, kind_bundles, tmp_path: Path) -> Non
 
 
 def test_tf_client_first_and_last_frame(savedmodels, kind_bundles, tmp_path: Path) -> None:
-    """FLF2V from two images: CLIP on both, the conditioning video VAE-encoded chunk by chunk, in TF."""
+    """FLF2V from two images: CLIP on both, the conditioning video VAE-encoded chunk by chunk, in TF; the same frames
+    as the runtime's (max abs error <= 1e-4) from the same seed (the SavedModel draws the runtime's noise) and
+    settings."""
     from .conftest import test_image
 
     test_image(80, 48, seed=1).save(tmp_path / "first.png")
     test_image(64, 64, seed=2).save(tmp_path / "last.png")
     pipe = runtime.load(kind_bundles["flf2v"])
     proc = tf_generate(str(savedmodels["flf2v"]), "--prompt", PROMPT, "--image", str(tmp_path / "first.png"),
-                       "--last-image", str(tmp_path / "last.png"), "--steps", "3", "--seed", "4",
+                       "--last-image", str(tmp_path / "last.png"), "--steps", "3", "--guidance", "4",
+                       "--flow-shift", "2", "--seed", "4",
                        "--out", str(tmp_path / "v.mp4"), "--frames-out", str(tmp_path / "f.safetensors"), "-q")
     assert proc.returncode == 0, proc.stderr[-3000:]
     g = pipe.geometry
     tf_frames = im.load(tmp_path / "f.safetensors", im.FRAMES, pipe.bundle_id,
                         {"frames": (1, g.frames, g.height, g.width, 3)})[0]["frames"]
     expected = pipe.generate(PROMPT, image=tmp_path / "first.png", last_image=tmp_path / "last.png", seed=4, steps=3,
-                             progress=False)
+                             guidance=4.0, flow_shift=2.0, progress=False)
+    assert expected.std() > 0.01
     np.testing.assert_allclose(tf_frames, expected, rtol=0, atol=1e-4)
     proc = tf_generate(str(savedmodels["flf2v"]), "--prompt", PROMPT, "--out", str(tmp_path / "w.mp4"))
     assert proc.returncode == 2 and "it needs an image (--image FILE" in proc.stderr
