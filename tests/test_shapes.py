@@ -174,12 +174,14 @@ def test_portrait_shape_matches_diffusers_wan21(shapes_bundle: Path, checkpoints
     assert np.abs(frames - want).max() <= 1e-4 and frames.std() > 1e-3
 
 
-@pytest.mark.parametrize("kind,size", [("ti2v", "64x96"), ("flf2v", "32x64")])
+# flf2v: the slow tier's, another kind of the same path (its conditioning video, frame mask and CLIP at the default
+# shape against diffusers in test_kinds)
+@pytest.mark.parametrize("kind,size", [("ti2v", "64x96"), pytest.param("flf2v", "32x64", marks=pytest.mark.slow)])
 def test_portrait_shape_of_an_image_kind_matches_diffusers(kind: str, size: str, kind_bundles,
                                                            kind_checkpoints) -> None:
     """The image conditioning at a bundle's portrait shape, against WanImageToVideoPipeline: Wan 2.2 TI2V-5B (the
-    VAE encoder of that size, the first frame's per-token timesteps) and Wan 2.1 FLF2V (CLIP, the conditioning
-    video of first and last frame, its frame mask)."""
+    VAE encoder of that size, the first frame's per-token timesteps) and (the slow tier) Wan 2.1 FLF2V (CLIP, the
+    conditioning video of first and last frame, its frame mask)."""
     import torch
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
 
