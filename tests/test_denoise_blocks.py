@@ -30,7 +30,14 @@ def _sample(rng: np.random.Generator, name: str, spec) -> np.ndarray:  # noqa: A
     return (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)
 
 
-@pytest.mark.parametrize("case", ["t2v", *KIND_CASES])
+# The slow tier's kinds (another kind of the same path): their steps take what kinds the default run loops over take.
+# FLF2V's are I2V's (CLIP's image keys and values, the conditioning latents concatenated), I2V-A14B's are that
+# conditioning without CLIP on T2V-A14B's two experts. kind: the default run's kinds that cover it.
+SLOW_KINDS = {"flf2v": "i2v", "i2v-moe": "i2v, t2v-moe"}
+
+
+@pytest.mark.parametrize("case", ["t2v", *[pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k
+                                           for k in KIND_CASES]])
 def test_the_block_loop_runs_what_the_whole_step_runs(case, fp32_bundles, kind_bundles) -> None:
     path = fp32_bundles["tiny-64x32-f9"] if case == "t2v" else kind_bundles[case]
     b = open_bundle(path)
