@@ -24,8 +24,8 @@ import pytest
 from .conftest import ROOT
 
 REPO = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-# `python -m export ARGV` for each (ARGV, stderr file) of the JSON in sys.argv[1], one after the other, each one's stderr
-# (file descriptor 2: logging's too) in its file; prints their exit codes, a JSON list.
+# `python -m export ARGV` for each (ARGV, stderr file) of the JSON in sys.argv[1], one after the other, each one's
+# stderr (file descriptor 2: logging's too) in its file; prints their exit codes, a JSON list.
 NO_SLEEP = """
 import json, os, sys, time
 time.sleep = lambda seconds: None
