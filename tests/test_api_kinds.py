@@ -169,10 +169,10 @@ def test_what_a_kind_cannot_make_is_refused_and_left_out_of_its_document(tmp_pat
         assert not derived & httpx.get(server.url + "/openapi.json").json()["paths"].keys()
         for path, body, message in (
                 ("/v1/videos/edits", {}, "its videos cannot be remixed or edited (the kinds that can: t2v, t2v-moe, "
-                                         "ti2v, i2v, flf2v, i2v-moe, vace, vace-moe, chronoedit, skyreels-t2v, "
+                                         "ti2v, i2v, flf2v, i2v-moe, vace, vace-moe, skyreels-t2v, "
                                          "skyreels-i2v, skyreels-flf2v, and text-to-video with the VAE encoder)"),
                 ("/v1/videos/extensions", {"seconds": "0.5625"}, "it cannot extend a video (the kinds that extend: "
-                                                                 "ti2v, i2v, i2v-moe, vace, vace-moe, chronoedit, "
+                                                                 "ti2v, i2v, i2v-moe, vace, vace-moe, "
                                                                  "skyreels-i2v, "
                                                                  "skyreels-df, helios, helios-pyramid, "
                                                                  "helios-distilled)")):
