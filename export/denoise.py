@@ -112,13 +112,7 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
                     out = ex.fn(weights, args, kwargs)[0]
             else:
                 out = ex.fn(weights, args, kwargs)[0]
-        if variant.cfg:
-            cond, uncond = out[:b], out[b:]
-            # As diffusers: uncond + g * (cond - uncond) in the model dtype, only when g > 1.
-            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
-            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
-        else:  # as diffusers without classifier-free guidance: the cond prediction alone
-            v = out.astype(jnp.float32)
+        v = guided_velocity(out, b, guidance, variant.cfg)
 
         new_state = sampler_update(state, v, row, order)
         finite = jnp.all(jnp.isfinite(new_state[0]))
@@ -127,6 +121,17 @@ def build(ex: Extracted, order: int, dtype: Any, kind: Kind, text_tokens: int, p
         return new_state, finite
 
     return step
+
+
+def guided_velocity(out: jax.Array, b: int, guidance: jax.Array, cfg: bool) -> jax.Array:
+    """The velocity a step takes, float32, from the DiT's output `out`: with `cfg`, its first `b` samples are the
+    prompt's and the rest the negative prompt's, mixed as diffusers mixes them, uncond + g (cond - uncond) in the
+    model dtype, only when g > 1 (else the cond half alone); without, the cond prediction alone."""
+    if not cfg:
+        return out.astype(jnp.float32)
+    cond, uncond = out[:b], out[b:]
+    guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
+    return jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
 
 
 def sampler_update(state: jax.Array, v: jax.Array, row: jax.Array, order: int) -> jax.Array:
@@ -187,12 +192,7 @@ def build_forcing(ex: Extracted, order: int, dtype: Any, text_tokens: int, patch
         with cross_kv.precomputed(module, ex.env, kv[:, :, :n], text_tokens), fps_embedding(module, ex.env, fps), \
                 attention.block_causal([blk.attn1 for blk in module.blocks], causal):
             out = ex.fn(weights, args, kwargs)[0]
-        if variant.cfg:
-            cond, uncond = out[:b], out[b:]
-            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
-            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
-        else:
-            v = out.astype(jnp.float32)
+        v = guided_velocity(out, b, guidance, variant.cfg)
         stepped = sampler_update(state, v, row, order)
         new_state = jnp.where(update[None, None, None, :, None, None] > 0, stepped, state)
         return new_state, jnp.all(jnp.isfinite(new_state[0]))
@@ -287,12 +287,7 @@ def build_flow_map(ex: Extracted, order: int, dtype: Any, text_tokens: int,
         args = (model_in, t, r, jnp.zeros((n, text_tokens, 0), dtype))
         with cross_kv.precomputed(ex.module, ex.env, kv[:, :, :n], text_tokens), real_rope(ex.module, ex.env):
             out = jnp.swapaxes(ex.fn(weights, args, {"return_dict": False})[0], 1, 2)
-        if variant.cfg:  # as diffusers, when g > 1: noise_uncond + g * (noise_pred - noise_uncond)
-            cond, uncond = out[:b], out[b:]
-            guided = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(out.dtype)
-            v = jnp.where(guidance > 1.0, guided, cond).astype(jnp.float32)
-        else:
-            v = out.astype(jnp.float32)
+        v = guided_velocity(out, b, guidance, variant.cfg)  # (diffusers' noise_uncond + g (noise_pred - uncond))
         new_state = sampler_update(state, v, row, order)
         return new_state, jnp.all(jnp.isfinite(new_state[0]))
 
