@@ -15,29 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from . import adapters, animate, chronoedit, forcing, helios
+from . import adapters, animate, chronoedit, forcing, helios, loop_settings
 from . import manifest as mf
 from . import pipeline as engine
 from .bundle import open_bundle
 from .errors import UserError
 
-# The keywords only one loop takes, and what they are for (a bundle of another kind refuses them).
-LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "animate": ("Wan-Animate models", ("pose_video", "face_video", "mode", "background_video", "mask_video",
-                                        "prev_segment_frames")),
-    "forcing": ("diffusion forcing models (SkyReels-V2 DF)", ("num_frames", "overlap_history", "ar_step",
-                                                              "causal_block_size", "addnoise_condition", "fps")),
-    "helios": ("Helios models", ("num_frames", *helios.SETTINGS, "fps")),
-    "chronoedit": ("ChronoEdit models", ("temporal_reasoning_steps",)),
-}
-
-# The engine's keywords a loop does not take: given, they are refused in one line; None, dropped.
-NOT_TAKEN: dict[str, tuple[str, ...]] = {
-    "animate": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
-    "forcing": ("mask", "reference_images", "conditioning_scale", "strength", "noise"),
-    "helios": ("last_image", "mask", "reference_images", "conditioning_scale", "strength"),
-    "chronoedit": ("last_image", "video", "mask", "reference_images", "conditioning_scale", "strength", "noise"),
-}
+# The keywords only some loops take (and what those loops are for), and the engine's keywords a loop does not take
+# (given, refused in one line; None, dropped): both made from the loops' settings table (runtime/loop_settings.py).
+LOOP_KEYWORDS: dict[str, tuple[str, tuple[str, ...]]] = loop_settings.LOOP_KEYWORDS
+NOT_TAKEN: dict[str, tuple[str, ...]] = loop_settings.NOT_TAKEN
 
 
 class Pipeline(engine.Pipeline):
