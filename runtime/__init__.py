@@ -25,7 +25,7 @@ from .video import write_video
 
 keep_jax_off_absent_tpus()  # before jax starts a backend: libtpu on a machine without a TPU stays quiet
 
-_LAZY = {"Pipeline": ".front", "load": ".front", "enable_compilation_cache": ".cache"}
+_LAZY = {"Pipeline": ".pipeline", "load": ".pipeline", "enable_compilation_cache": ".cache"}
 _NAMES = {"enable_compilation_cache": "enable"}
 
 __all__ = ["BundleError", "MagCache", "Pipeline", "UserError", "enable_compilation_cache", "load", "write_video"]

@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
     from . import cache, distributed
     from . import intermediates as im
     from .files import check_writable
-    from .front import load
+    from .pipeline import load
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
     if not args.no_cache:
@@ -710,7 +710,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from . import distributed
     from .errors import UserError
-    from .front import load
+    from .pipeline import load
     from .serve import follower as mh
     from .serve.access import server_names
     from .serve.limits import Limits

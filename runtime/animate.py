@@ -23,19 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from PIL import Image
-from tqdm.auto import tqdm
 
 from . import video_input
-from .distributed import fetch, is_primary
+from . import steps as runner
+from .distributed import fetch
+from .segment import denoise as denoise_segment
 from .errors import UserError
 from .noise import seed_noise, segment_noise  # noqa: F401  (segment_noise: also this module's public name)
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 
 MODES = ("animate", "replace")
 PREV_FRAMES = (1, 5)  # diffusers' prev_segment_conditioning_frames
@@ -204,7 +204,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
                        g.size, g.frames, sampler, sigmas)
     run = pipe.steps_run({}, s)
     total = run * seg.count
-    bar = tqdm(total=total, desc="animating", unit="step", disable=not progress or not is_primary())
+    bar = runner.progress_bar(total, progress, "animating")
     try:
         embeds = pipe.encode(prompt, negative_prompt, image, size=g.size, frames=g.frames)
         if low_memory:
@@ -254,11 +254,10 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
                 if on_step is not None:
                     on_step(done + j + 1, total)
 
-            denoised = pipe.denoise({**embeds, "condition": condition, "pose": np.repeat(pose_latents, b, axis=0),
-                                     "motion": motions}, s.seed, s.steps, s.guidance, s.flow_shift, x0,
-                                    progress=False, on_step=step_done, guidance_2=guidance_2, magcache=magcache,
-                                    size=g.size, frames=g.frames, sampler=s.sampler, sigmas=s.sigmas,
-                                    on_preview=on_preview)
+            denoised = denoise_segment(pipe, {**embeds, "condition": condition,
+                                       "pose": np.repeat(pose_latents, b, axis=0), "motion": motions}, s, x0,
+                                       progress=False, on_step=step_done, magcache=magcache, size=g.size,
+                                       frames=g.frames, on_preview=on_preview)
             frames_ = pipe.decode(denoised, decoder)  # (B, L, H, W, 3)
             carried = frames_[:, -seg.prev:]
             kept = frames_ if i == 0 else frames_[:, seg.prev:]

@@ -13,9 +13,9 @@ the edit as the two ends of a longer clip. Every exported shape's program has it
                           (sliced from the N-frame condition, as diffusers does, not encoded again), and the remaining
                           steps of the same schedule on the edit shape's program; the 2 latent frames decode to 5
 
-The edited image is the last frame. This loop sits above the one-segment engine (runtime/pipeline.py: `_denoise`'s
-`stop_after` hands over the state, its `resume` goes on from it); runtime/front.py dispatches to it by the kind's loop
-(kinds.Kind.loop). Nothing runtime/pipeline.py imports imports this module.
+The edited image is the last frame. This loop runs the one-segment loop twice (runtime/segment.py: `denoise`'s
+`stop_after` hands over the state, its `resume` goes on from it), on the one step runner; runtime/pipeline.py's
+`generate` dispatches to it by the kind's loop (kinds.Kind.loop).
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import manifest as mf
-from . import pipeline as engine
+from . import segment
 from .errors import UserError
+from .shapes import Size
 from .files import atomic_path
 from .video import to_uint8
+
+Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -44,7 +47,7 @@ SAMPLER = "unipc"  # temporal reasoning trims UniPC's history (diffusers reads s
 IMAGE_SUFFIXES = (".png",)  # `runtime generate --out` of an edit: the last frame as an image
 
 
-def edit_shape(pipe: engine.Pipeline, size: engine.Size = None) -> mf.Geometry:
+def edit_shape(pipe: Pipeline, size: Size = None) -> mf.Geometry:
     """The bundle's edit shape at `size` (default: the default shape's): its 2-latent-frame one (5 frames). UserError
     naming the shapes where the bundle has none there."""
     g = pipe.shape(size, None)  # the size's default shape, or a one-line error naming the shapes
@@ -73,7 +76,7 @@ def _steps(k: object) -> int:
     return int(k)
 
 
-def reasoning_shapes(pipe: engine.Pipeline, k: int, steps: int, sampler: str, size: engine.Size,
+def reasoning_shapes(pipe: Pipeline, k: int, steps: int, sampler: str, size: Size,
                      frames: int | None, magcache: Any = None) -> tuple[mf.Geometry, mf.Geometry]:
     """(the N-frame shape the first `k` steps run on, the edit shape the rest run on) of a temporal reasoning run of
     `steps` steps; UserError in one line, before any work, for a run diffusers' pipeline cannot make: another sampler
@@ -96,11 +99,11 @@ def reasoning_shapes(pipe: engine.Pipeline, k: int, steps: int, sampler: str, si
     return reason, edit
 
 
-def generate(pipe: engine.Pipeline, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
+def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "",
              image: Any = None, last_image: Any = None, seed: int = 0, steps: int | None = None,
              guidance: float | None = None, guidance_2: float | None = None, flow_shift: float | None = None,
              latents: np.ndarray | None = None, progress: bool = True, magcache: MagCache | None = None,
-             low_memory: bool = False, size: engine.Size = None, frames: int | None = None,
+             low_memory: bool = False, size: Size = None, frames: int | None = None,
              sampler: str | None = None, sigmas: Sequence[float] | None = None, *,
              temporal_reasoning_steps: int | None = 0, on_step: Callable[[int, int], None] | None = None,
              on_preview: Callable[[np.ndarray], None] | None = None, decoder: str = "full",
@@ -119,12 +122,12 @@ def generate(pipe: engine.Pipeline, prompt: str | Sequence[str], negative_prompt
             asked = frames if latents is None else edit.frames
             raise UserError(f"ChronoEdit edits on {edit_shape(pipe, edit.size).frames} frames; {asked} frames are for "
                             "temporal reasoning (--temporal-reasoning-steps K / temporal_reasoning_steps=K)")
-        return engine.Pipeline.generate(pipe, prompt, negative_prompt, image=image, last_image=last_image, seed=seed,
+        return segment.generate(pipe, prompt, negative_prompt, image=image, last_image=last_image, seed=seed,
                                         steps=steps, guidance=guidance, guidance_2=guidance_2, flow_shift=flow_shift,
                                         latents=latents, progress=progress, magcache=magcache, low_memory=low_memory,
                                         size=edit.size, frames=edit.frames, sampler=sampler, sigmas=sigmas,
                                         on_step=on_step, on_preview=on_preview, decoder=decoder, on_frames=on_frames)
-    pipe._prompts(prompt, "prompt")  # an empty prompt, a decoder the bundle lacks: before any loading
+    pipe.prompts(prompt, "prompt")  # an empty prompt, a decoder the bundle lacks: before any loading
     pipe.decoder_programs(decoder)
     s = pipe.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
     if latents is not None:  # the N-frame noise picks N (frames, if given, must agree)
@@ -142,18 +145,17 @@ def generate(pipe: engine.Pipeline, prompt: str | Sequence[str], negative_prompt
     if on_step is not None:
         def step_done(i: int) -> None:
             on_step(i + 1, s.steps)
-    common: dict[str, Any] = dict(sampler=sampler, sigmas=sigmas, on_preview=on_preview)
     try:
         embeds = pipe.encode(prompt, negative_prompt, image, last_image, reason.size, reason.frames)
         if low_memory:
             pipe.unload_before("denoise")
-        state = pipe._denoise(embeds, seed, steps, guidance, flow_shift, latents, progress, step_done, guidance_2, None,
-                              size=reason.size, frames=reason.frames, stop_after=k, **common)
+        state = segment.denoise(pipe, embeds, s, latents, progress, step_done, size=reason.size,
+                                frames=reason.frames, stop_after=k, on_preview=on_preview)
         # diffusers at step K: latents, condition, scheduler.model_outputs and last_sample all [:, :, [0, -1]]
         edited = {**embeds, "condition": np.ascontiguousarray(embeds["condition"][:, :, TRIM])}
         state = np.ascontiguousarray(state[:, :, :, TRIM])
-        out = pipe._denoise(edited, seed, steps, guidance, flow_shift, None, progress, step_done, guidance_2, None,
-                            size=edit.size, frames=edit.frames, resume=(k, state), **common)
+        out = segment.denoise(pipe, edited, s, None, progress, step_done, size=edit.size, frames=edit.frames,
+                              resume=(k, state), on_preview=on_preview)
         if low_memory:
             pipe.unload_before("decode")
         video = pipe.decode(out, decoder)

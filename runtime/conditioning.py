@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from . import images, video_input
+from . import images, kinds, video_input
+from . import manifest as mf
+from .errors import UserError
 from .kinds import Kind
 from .manifest import Geometry
 
@@ -147,8 +149,6 @@ def encode_videos(kind: Kind, g: Geometry, video: list[Any] | None, mask: list[A
 def control_scale(scale: Any, layers: int) -> np.ndarray:
     """VACE's `conditioning_scale` as the programs take it: float32 (layers,), one per VACE layer, from a number or
     a list of one per layer (diffusers' `conditioning_scale`); UserError otherwise."""
-    from .errors import UserError
-
     values = [scale] * layers if isinstance(scale, (int, float, np.floating, np.integer)) and \
         not isinstance(scale, bool) else scale
     try:
@@ -203,3 +203,75 @@ def _outputs(result: Any) -> list[Any]:
     if isinstance(result, (list, tuple)):
         return [leaf for r in result for leaf in _outputs(r)]
     return [result]
+
+
+# -- the checks of a run's conditioning, before any program runs ------------------------------------------------------
+def load_videos(kind: Kind, video: Any, mask: Any, reference_images: Any) -> dict[str, Any] | None:
+    """A run's video inputs as PIL frames, or None where it has none (VACE kinds always have some: no video is a zero
+    video). Unreadable inputs fail here, before any program runs."""
+    if video is None and not kind.vace:
+        return None
+    refs = list(reference_images or [])
+    if reference_images is not None and not isinstance(reference_images, (list, tuple)):
+        raise UserError("reference_images must be a list of images (PIL images, paths or uint8 arrays)")
+    return {"video": None if video is None else video_input.load_frames(video, "video"),
+            "mask": None if mask is None else video_input.load_mask(mask, "mask"),
+            "references": [images.load_image(r, f"reference image {i + 1}") for i, r in enumerate(refs)]}
+
+
+def check_videos(kind: Kind, m: mf.Manifest, g: Geometry, media: dict[str, Any]) -> None:
+    """The loaded video inputs against shape `g`: a video of the shape's frames (a flow-map kind's: the first 4k+1
+    frames to continue, fewer than it makes), a mask of one frame per video frame and of the video's size."""
+    video, mask = media["video"], media["mask"]
+    if video is not None and kind.video == "prefix":
+        n, scale = len(video), g.temporal_scale
+        if n % scale != 1 or n >= g.frames:
+            raise UserError(f"the video has {n} frames: give the first frames to continue, 4k+1 of them (1, 5, "
+                            f"9, ...) and fewer than the {g.frames} this run makes at {g.size}")
+        return
+    if video is not None and len(video) != g.frames:
+        raise UserError(f"the video has {len(video)} frames; this bundle makes {g.frames} at {g.size}: its shapes "
+                        f"are {m.shapes_text()}")
+    if mask is not None:
+        want = len(video) if video is not None else g.frames
+        if len(mask) != want:
+            raise UserError(f"the mask has {len(mask)} frame{'s' * (len(mask) != 1)}, the "
+                            f"{'video' if video else 'shape'} {want}: give one mask frame per video frame")
+        if video is not None and mask[0].size != video[0].size:
+            raise UserError(f"the mask is {mask[0].width}x{mask[0].height}, the video "
+                            f"{video[0].width}x{video[0].height}: give a mask of the video's size")
+
+
+def step_inputs(kind: Kind, m: mf.Manifest, embeds: dict[str, Any], g: Geometry, conditioning_scale: Any,
+                precomputes_kv: bool) -> dict[str, np.ndarray]:
+    """The conditioning inputs of the denoise (and cross_kv) programs of shape `g`, by name (kind.denoise_extras),
+    from `embeds`, checked (shape, finite): text mode of a "first_frame" kind without one; a VACE kind's
+    `control_scale` from `conditioning_scale`. UserError naming what is missing or wrong."""
+    specs = dict(m.programs[m.program_for(kinds.denoise_program(0), g)].inputs)
+    if precomputes_kv:
+        specs.update(m.programs[kinds.cross_kv_program(0)].inputs)
+    if kind.conditioning in ("first_frame", "flowmap") and "condition" not in embeds:  # as text-to-video
+        embeds = {**embeds, **text_mode(kind, {k: v.shape for k, v in specs.items()})}
+    if kind.vace:
+        scale = 1.0 if conditioning_scale is None else conditioning_scale
+        embeds = {**embeds, "control_scale": control_scale(scale, specs["control_scale"].shape[0])}
+    elif conditioning_scale is not None:
+        raise UserError(f"conditioning_scale is for VACE models; this bundle is {kind.title}")
+    out = {}
+    for name in kind.denoise_extras:
+        if name in kinds.STEP_INPUTS:  # the loop's, per step
+            continue
+        if name not in embeds:
+            what = "video inputs" if kind.vace else "video (--video / video=...)" \
+                if kind.video == "required" else "image (--image / image=...)"
+            raise UserError(f"this bundle is {kind.title}: the embeddings have no {name!r}; encode with the {what}")
+        value = np.asarray(embeds[name], np.float32)
+        if value.shape != specs[name].shape:
+            also = f" at {g.size} x {g.frames} frames (encode with the same size and frames)" \
+                if len(m.shapes) > 1 else ""
+            raise UserError(f"{name} has shape {list(value.shape)}, this bundle needs {list(specs[name].shape)}"
+                            + also)
+        if not np.isfinite(value).all():
+            raise UserError(f"{name} contains NaN or inf")
+        out[name] = value
+    return out

@@ -33,23 +33,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
 
-from . import images, previews, scheduler, video_input
+from . import images, scheduler, video_input
 from . import manifest as mf
-from .distributed import fetch, is_primary, put
+from . import steps as runner
+from .distributed import fetch, put
 from .errors import UserError
 from .noise import seed_noise, segment_noise
-from .scheduler import TIMESTEP_SCALE, scaled_timesteps
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 
 DEFAULT_OVERLAP = 17  # frames; diffusers requires one for long videos and recommends 17 or 37
 NOT_STARTED = 999  # the timestep diffusers feeds frames whose first step is still to come
@@ -314,7 +312,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     if magcache is not None:
         raise UserError("MagCache is not for diffusion forcing: its per-frame timesteps give MagCache's per-step "
                         "schedule nothing to go by; leave magcache out")
-    pipe._prompts(prompt, "prompt")
+    pipe.prompts(prompt, "prompt")
     pipe.decoder_programs(decoder)  # a decoder the bundle lacks fails before any work
     if num_frames is None and frames is not None:  # as the CLI's --frames: the video's length
         num_frames, frames = frames, None
@@ -338,8 +336,9 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     noise = segment_noise(latents, len(p.segments), [(*g.latent_shape[:2], seg.frames, *g.latent_shape[3:])
                                                      for seg in p.segments])
     sched = s.plan(pipe.scheduler_config)
-    programs = [pipe.step_programs(1, sched.timesteps, s, None, shape)[0] for shape in shapes]
-    pipe._timestep_cast(programs[0], s)
+    expert = pipe.expert_of(float(sched.timesteps[0]))
+    programs = [runner.step_program(pipe.manifest, shape, expert, s.guidance_of(expert)) for shape in shapes]
+    runner.timestep_cast(pipe.manifest, programs[0], sched.timesteps, s.sampler)
     rows = lay.rows(len(sched.timesteps))
     total = sum(rows)
     dtype = np.dtype(ml_dtypes.bfloat16) if pipe.manifest.dtype == "bf16" else np.dtype(np.float32)
@@ -347,7 +346,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
 
     pipe.start_loading(bool(pil) or source is not None, s.seed, s.steps, s.guidance, s.flow_shift, None, None, prompt,
                        negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
-    bar = tqdm(total=total, desc="denoising", unit="step", disable=not progress or not is_primary())
+    bar = runner.progress_bar(total, progress)
     try:
         embeds = pipe.encode(prompt, negative_prompt, size=g.size, frames=g.frames)
         pinned = _pinned(pipe, g, pil, source, overlap, first_prefix, dtype)
@@ -434,50 +433,44 @@ def _pinned(pipe: Pipeline, g: mf.Geometry, pil: list[Any], source: list[Any] | 
 def denoise_segment(run: Run, index: int, seg: Segment, g: mf.Geometry, program: str, x0: np.ndarray,
                     on_row: Callable[[int], None] | None = None,
                     on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
-    """One segment's rows on the bundle shape `g`: float32 latents (B, z, dit_frames, h, w) from `x0` (its initial
-    noise with the pinned frames in place). `on_row(r)` after each row, `on_preview(rgb)` before it with the row's
-    estimate of the segment's middle frame (runtime/previews.py: the per-frame states keep the scheduler's layout)."""
+    """One segment's rows on the bundle shape `g`, on the step runner (runtime/steps.py): float32 latents
+    (B, z, dit_frames, h, w) from `x0` (its initial noise with the pinned frames in place). Each row is a step whose
+    timestep is one per frame (the row of diffusers' timestep matrix) and whose sampler row is each frame's own.
+    `on_row(r)` after each row, `on_preview(rgb)` before it with the row's estimate of the segment's middle frame
+    (the per-frame states keep the scheduler's layout)."""
     pipe = run.pipe
     steps = len(run.plan.timesteps)
     index_m, update_m = timestep_matrix(seg.dit_frames, steps, run.ar_step, seg.prefix, run.block)
     if seg.end:  # the last image: pinned at t = 0, never stepped
         index_m[:, -1], update_m[:, -1] = steps + 1, False
     template = np.concatenate([[NOT_STARTED], run.plan.timesteps, [0]]).astype(np.float32)
-    timestep_scale = pipe.manifest.defaults.timestep_scale
     coeffs = frame_rows(run.plan.coeffs)
-    order = pipe.scheduler_config.solver_order
-    state = np.zeros((scheduler.state_rows(order), *x0.shape), np.float32)
-    state[0] = x0
-    call = pipe.bundle.call(program)
-    names = pipe.program_inputs(program)
-    placed = dict(zip(names, pipe.bundle.call_shardings(program), strict=True))
-    state_dev = put(state, placed["state"])
     blend = np.zeros(seg.dit_frames, np.float32)
     if run.addnoise > 0 and seg.prefix:
         blend[: seg.prefix] = np.float32(0.001 * run.addnoise)
-    zeros = put(np.zeros(x0.shape, np.float32), placed["noise"])
-    preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
+    timesteps = []
     for r in range(len(index_m)):
         t = template[index_m[r]]
         if blend.any():  # as diffusers: the pinned frames fed at t = addnoise_condition, re-noised
             t[: seg.prefix] = run.addnoise
+        timesteps.append(t)
+    noise_sharding = dict(zip(pipe.program_inputs(program), pipe.bundle.call_shardings(program), strict=True))["noise"]
+
+    def per_row(r: int) -> dict[str, Any]:
         rows = coeffs[np.clip(index_m[r] - 1, 0, steps - 1)] * update_m[r][:, None]
-        noise = put(prefix_noise(run.seed, index, r, x0.shape), placed["noise"]) if blend.any() else zeros
-        if timestep_scale != TIMESTEP_SCALE:  # the DiT's convention (manifest.Defaults.timestep_scale)
-            t = scaled_timesteps(t, timestep_scale)
-        values = {"state": state_dev, "kv": run.kv, "timestep": t,
-                  "guidance": np.float32(run.guidance), "row": rows.astype(np.float32), "noise": noise,
-                  "blend": blend, "update": update_m[r].astype(np.float32), "causal_block": np.int32(run.block),
+        values = {"kv": run.kv, "guidance": np.float32(run.guidance), "row": rows.astype(np.float32),
+                  "update": update_m[r].astype(np.float32), "causal_block": np.int32(run.block),
                   "fps": np.int32(run.fps)}
-        state_dev, finite = call(*[values[n] for n in names])
-        if not bool(fetch(finite)):
-            raise UserError(f"non-finite values (NaN/inf) appeared in the latents at row {r + 1} of "
-                            f"{len(index_m)} of segment {index + 1}: check the weights, guidance ({run.guidance}) "
-                            "and dtype")
-        if preview is not None:
-            on_preview(preview(state_dev))  # type: ignore[misc]
-        if on_row is not None:
-            on_row(r)
+        if blend.any():
+            values["noise"] = put(prefix_noise(run.seed, index, r, x0.shape), noise_sharding)
+        return values
+
+    zeros = {} if blend.any() else {"noise": np.zeros(x0.shape, np.float32)}
+    state = runner.initial_state(x0, scheduler.state_rows(pipe.scheduler_config.solver_order))
+    state_dev = runner.run(pipe.bundle, g, [program] * len(index_m), state, timesteps, per_row,
+                           fixed={"blend": blend, **zeros},
+                           where=lambda r: f"row {r + 1} of {len(index_m)} of segment {index + 1}",
+                           on_step=on_row, on_preview=on_preview)
     return fetch(state_dev)[0].astype(np.float32)
 
 

@@ -31,23 +31,22 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
 
-from . import images, kinds, previews, samplers, scheduler, video_input
+from . import images, samplers, scheduler, video_input
 from . import manifest as mf
-from .distributed import fetch, is_primary, put
+from . import steps as runner
+from .distributed import fetch
 from .errors import UserError
 from .forcing import InputError
 from .noise import seed_noise, segment_noise
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 
 # A run's own settings, by diffusers' names (HeliosPipeline / HeliosPyramidPipeline's __call__; the CLI's flags, the
 # API's fields and generate's keywords): the noise on given latents, then the pyramid's.
@@ -268,7 +267,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     is decoded as it is made); `fps` is the mp4's only."""
     if magcache is not None:
         raise UserError("MagCache is not for Helios: leave magcache out")
-    pipe._prompts(prompt, "prompt")
+    pipe.prompts(prompt, "prompt")
     pipe.decoder_programs(decoder)  # a decoder the bundle lacks fails before any work
     if num_frames is None and frames is not None:  # as the CLI's --frames: the video's length
         num_frames, frames = frames, None
@@ -293,7 +292,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
 
     pipe.start_loading(pil is not None or source is not None, s.seed, s.steps, s.guidance, None, None, None, prompt,
                        negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
-    bar = tqdm(total=total, desc="denoising", unit="step", disable=not progress or not is_primary())
+    bar = runner.progress_bar(total, progress)
     try:
         embeds = pipe.encode(prompt, negative_prompt, size=g.size, frames=g.frames)
         key = jax.random.fold_in(jax.random.key(s.seed), 0x4E110)
@@ -452,7 +451,6 @@ def _chunk_run(pipe: Pipeline, g: mf.Geometry, chunks: mf.Chunks, s: Any, stage_
     config = pipe.scheduler_config
     patch = int(np.prod(chunks.patch_size))
     programs, stages, rows, modes, plans = [], [], [], [], []
-    have = pipe.manifest.programs
     for st in range(chunks.stages):
         # diffusers computes a stage's mu from the latents before it doubles them: the stage before's size
         f = 2 ** (chunks.stages - 1 - max(st - 1, 0))
@@ -463,8 +461,7 @@ def _chunk_run(pipe: Pipeline, g: mf.Geometry, chunks: mf.Chunks, s: Any, stage_
             p = stage_plan(s.sampler, stage_steps[st], st, chunks, config, tokens, amplify)
         plans.append(p)
         for i in range(len(p.timesteps)):
-            variant = "cond" if s.guidance <= 1.0 and kinds.denoise_program(0, "cond") in have else "cfg"
-            programs.append(pipe._at(kinds.stage_program(kinds.denoise_program(0, variant), st, chunks.stages), g))
+            programs.append(runner.step_program(pipe.manifest, g, 0, s.guidance, st, chunks.stages))
             stages.append(st)
             rows.append(i)
             modes.append(2 if st == 0 and i <= zero and chunks.cfg_zero_star else int(chunks.cfg_zero_star))
@@ -572,29 +569,18 @@ def denoise_chunk(pipe: Pipeline, g: mf.Geometry, programs: list[str], sched: sc
                   start: np.ndarray | None = None, on_step: Callable[[int], None] | None = None,
                   on_preview: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """One schedule's steps (a chunk's, or a pyramid stage's) from `x0` (B, z, C, h, w), the DiT seeing `history`
-    (B, z, 1 + sum(history_sizes), H, W: [prefix, long, mid, short], full size): the latents, float32. The sampler
-    starts afresh (its history empty), as the pipelines' set_timesteps per chunk and stage; `start` (DMD) goes in
-    the state's second row, where its rows keep it. `modes`: each step's guidance mode (0: CFG)."""
-    order = pipe.scheduler_config.solver_order
-    state = np.zeros((scheduler.state_rows(order), *x0.shape), np.float32)
-    state[0] = x0
-    if start is not None:
-        state[1] = start
-    names = pipe.program_inputs(programs[0])
-    placed = dict(zip(names, pipe.bundle.call_shardings(programs[0]), strict=True))
-    state_dev = put(state, placed["state"])
-    hist_dev = put(np.ascontiguousarray(history, np.float32), placed["history"])
-    preview = previews.Previewer(g) if on_preview is not None and previews.family(g.latent_channels) else None
-    for i, name in enumerate(programs):
-        values = {"state": state_dev, "kv": kv, "timestep": np.float32(sched.timesteps[i]),
-                  "guidance": np.float32(guidance), "row": sched.coeffs[i], "history": hist_dev,
-                  "cfg_mode": np.float32(modes[i] if modes is not None else 0)}
-        state_dev, finite = pipe.bundle.call(name)(*[values[n] for n in pipe.program_inputs(name)])
-        if not bool(fetch(finite)):
-            raise UserError(f"non-finite values (NaN/inf) appeared in the latents at step {i + 1} of {len(programs)}: "
-                            f"check the weights, guidance ({guidance}) and dtype")
-        if preview is not None:
-            on_preview(preview(state_dev))  # type: ignore[misc]
-        if on_step is not None:
-            on_step(i)
+    (B, z, 1 + sum(history_sizes), H, W: [prefix, long, mid, short], full size), on the step runner
+    (runtime/steps.py): the latents, float32. The sampler starts afresh (its history empty), as the pipelines'
+    set_timesteps per chunk and stage; `start` (DMD) goes in the state's second row, where its rows keep it.
+    `modes`: each step's guidance mode (0: CFG)."""
+    state = runner.initial_state(x0, scheduler.state_rows(pipe.scheduler_config.solver_order), start)
+
+    def per_step(i: int) -> dict[str, Any]:
+        return {"kv": kv, "guidance": np.float32(guidance), "row": sched.coeffs[i],
+                "cfg_mode": np.float32(modes[i] if modes is not None else 0)}
+
+    state_dev = runner.run(pipe.bundle, g, programs, state, list(sched.timesteps[:len(programs)]), per_step,
+                           fixed={"history": np.asarray(history, np.float32)},
+                           where=lambda i: f"step {i + 1} of {len(programs)}", on_step=on_step,
+                           on_preview=on_preview)
     return fetch(state_dev)[0].astype(np.float32)

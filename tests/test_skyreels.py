@@ -331,9 +331,9 @@ def test_server_seconds_beyond_the_shape(df, tmp_path: Path) -> None:
     assert progress[-1] == 99 and progress == sorted(progress)
 
 
-def test_the_engine_imports_no_loop() -> None:
-    """runtime/pipeline.py is the one-segment engine: nothing it imports (within runtime) imports a segment loop or
-    the front that picks them (runtime/front.py imports the loops, which run on the engine's methods)."""
+def test_the_step_runner_and_the_loops_import_no_front() -> None:
+    """runtime/steps.py is the one step runner and runtime/segment.py the one-segment loop: nothing they import (within
+    runtime) imports another loop or the Pipeline front; no loop imports the front, which imports every loop."""
     import ast
 
     from .conftest import ROOT
@@ -346,14 +346,21 @@ def test_the_engine_imports_no_loop() -> None:
                 out |= {node.module} if node.module else {a.name for a in node.names}
         return {m.split(".")[0] for m in out if (ROOT / "runtime" / f"{m.split('.')[0]}.py").is_file()}
 
-    seen, todo = set(), ["pipeline"]
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo += imports(m)
-    assert not seen & {"animate", "forcing", "front"}, sorted(seen)
-    assert {"animate", "forcing", "pipeline"} <= imports("front")
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += imports(m)
+        return seen
+
+    loops = {"segment", "animate", "forcing", "helios", "chronoedit"}
+    assert not reach("steps") & (loops | {"pipeline", "front"}), sorted(reach("steps"))
+    assert not reach("segment") & (loops - {"segment"} | {"pipeline", "front"}), sorted(reach("segment"))
+    for loop in loops:
+        assert "pipeline" not in reach(loop), loop
+    assert loops <= imports("pipeline")
 
 
 def test_extend_is_the_extensions_hook(df) -> None:
