@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .run import Cancelled, run_job
+
 log = logging.getLogger("runtime")
 
 _MIN_BUCKET = 4096
@@ -47,7 +49,7 @@ def send(message: dict[str, Any] | None) -> None:
 
 def agree(stop: bool | None) -> bool:
     """Process 0's `stop` on every process (the others pass None): whether the running job stops here (a client
-    cancelled it). Asked at every step and stage boundary, by every process at the same one (worker.run_job's
+    cancelled it). Asked at every step and stage boundary, by every process at the same one (run.run_job's
     `check`)."""
     from jax.experimental import multihost_utils
 
@@ -57,7 +59,6 @@ def agree(stop: bool | None) -> bool:
 
 def follow(pipe: Any) -> int:
     """Processes 1..N-1: run every job process 0 sends, until it says stop."""
-    from .worker import Cancelled, run_job
 
     def check() -> None:
         if agree(None):

@@ -4,7 +4,7 @@ multipart form in, an ImagesResponse out (`{"created", "data": [{"b64_json": PNG
 
 The SDK waits for its answer (no polling: an image edit has no id of its own to poll), so the request is synchronous;
 the edit itself is still a job of the queue, like a video job: the same tenants, turns, queue limits, lease and
-cancel, run by whichever replica claims it (runtime/serve/worker.py calls `run_edit`, which calls
+cancel, run by whichever replica claims it (runtime/serve/run.py calls `run_edit`, which calls
 `pipe.edit_image`). The request waits for that job's end, reading the job database (so any replica's worker may run
 it), for at most `serve --max-sync-seconds`:
 
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field as PydanticField
 from starlette.concurrency import run_in_threadpool
 
+from . import intake
 from . import openapi as oa
 from .errors import ApiError
 from .jobs import CANCELLED, Job
@@ -47,7 +48,6 @@ from .schema import BY_NAME, Body, Offer, _number, file_schema, parse_request, s
 log = logging.getLogger("runtime")
 
 TASK = "image_edit"  # a job's params["task"]: the worker runs `run_edit` and stores a PNG, not an mp4
-DEFAULT_MAX_SYNC_SECONDS = 600.0  # `serve --max-sync-seconds`: the openai SDK's own default timeout is 600 s
 # The edit shape's frames: runtime/chronoedit.py's EDIT_LATENT_FRAMES (2: the image's and the edit's) at the 4x
 # temporal scale of Wan 2.1's VAE, ChronoEdit's (known from the offer, before the weights load: the document needs it)
 EDIT_FRAMES = (2 - 1) * 4 + 1
@@ -111,8 +111,6 @@ def request_schema(offer: Offer) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, state: Any) -> None:
     """POST /v1/images/edits: documented on image-editing bundles, a 404 naming what does edit on the others."""
-    from . import routes
-
     offer = state.offer
     able = edits(offer)
 
@@ -126,15 +124,15 @@ def add_routes(app: FastAPI, state: Any) -> None:
         if not able:
             raise ApiError(404, f"this bundle is {offer.kind.title}: it makes videos (POST /v1/videos); image edits "
                                 "(POST /v1/images/edits) are served for image-editing bundles (ChronoEdit)")
-        routes._ready_for_jobs(state)  # noqa: SLF001  (the create route's checks, in its order)
+        intake.check_ready(state)  # the create route's checks, in its order
         tenant = request.state.tenant
-        await run_in_threadpool(routes._room, state, tenant)  # noqa: SLF001
+        await run_in_threadpool(intake.check_room, state, tenant)
         media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media != "multipart/form-data":
             raise ApiError(415, f"unsupported content type {media or '(none)'!r}: send the image edit as "
                                 "multipart/form-data (as the openai SDK's images.edit does)")
         with state.uploads.take():
-            body = await routes._read(state, request, IMAGE_FIELDS)  # noqa: SLF001
+            body = await intake.read(state, request, IMAGE_FIELDS)
             job = await run_in_threadpool(_queue, state, body, tenant)
         return await _wait(state, request, job)
 
@@ -202,12 +200,10 @@ def _video_container(data: bytes) -> str | None:
 
 
 def _queue(state: Any, body: Body, tenant: str) -> Job:
-    from . import routes
-
     with state.decodes:  # the image decoded: a few at a time (--max-decodes)
         params, image = parse(body, state.offer, state.pipe,
                               state.settings.magcache.to_json() if state.settings.magcache is not None else None)
-    job = routes.add_job(state, params, [image], tenant)  # 429, 507 as a create request's
+    job = intake.add_job(state, params, [image], tenant)  # 429, 507 as a create request's
     log.info("job %s: an image edit at %s, waited for by its request (up to %g s)", job.id, job.size,
              state.settings.max_sync_seconds)
     return job
@@ -284,7 +280,7 @@ def _answer(store: Any, job: Job, now: Job | None) -> JSONResponse:
 
 def run_edit(pipe: Any, params: dict[str, Any], media: dict[str, Any], s: Any, magcache: Any,
              on_step: Any, on_stage: Any, on_preview: Any, check: Any, out: Any) -> np.ndarray:
-    """An image edit job's run (worker.run_job): `pipe.edit_image` on the job's image, with the job's progress,
+    """An image edit job's run (run.run_job): `pipe.edit_image` on the job's image, with the job's progress,
     previews and cancel checks; the PNG written to `out` (None: not written); returns the edit as one frame
     (1, H, W, 3) in [0, 1], for the job's thumbnail."""
     check()

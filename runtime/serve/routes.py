@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from typing import Annotated, Any, Literal
 
@@ -35,20 +34,18 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
 from .. import hls
-from ..files import disk_full
-from . import access, derive, images, loras, thumbnails, webhooks
+from . import access, derive, images, intake, loras, thumbnails, webhooks
 from . import openapi as oa
 from .db import DatabaseUnavailable
 from .errors import ApiError
-from .jobs import Job, JobStore, NotCancellable, QueueFull, derived_keys
+from .jobs import Job, JobStore, NotCancellable, derived_keys
 from .metrics import method_label
 from .playground import add_playground
-from .schema import FILE_FIELDS, POLL_AFTER_MS, Body, parse_request, read_body, seconds_of
+from .schema import FILE_FIELDS, POLL_AFTER_MS, Body, parse_request, seconds_of
 from .state import State
 from .storage import StorageUnavailable
 
@@ -166,12 +163,12 @@ def create_app(state: State) -> FastAPI:
               responses={200: {"model": oa.Video, "description": "the job, queued", "links": oa.VIDEO_LINKS},
                          **oa.errors(400, 408, 413, 415, 429, 503, 507)})
     async def create(request: Request) -> JSONResponse:
-        _ready_for_jobs(state)
+        intake.check_ready(state)
         tenant = request.state.tenant
         # A full queue is answered before the body is read or any of its media decoded: it costs nothing but this.
-        await run_in_threadpool(_room, state, tenant)
+        await run_in_threadpool(intake.check_room, state, tenant)
         with state.uploads.take():  # the bodies read and checked at once, each up to --max-body-mb
-            body = await _read(state, request)
+            body = await intake.read(state, request)
             # Validation (media decoding, the schedule check) and the fsync'd insert run off the event loop.
             return await run_in_threadpool(_create, state, body, tenant)
 
@@ -340,7 +337,7 @@ def model_card(state: State, tenant: str | None = None) -> dict[str, Any]:
     pipe = state.pipe
     m = pipe.manifest
     fps = m.defaults.fps
-    allowed = _allowed_loras(state, tenant)
+    allowed = intake.allowed_loras(state, tenant)
     manifest = state.settings.bundle / "manifest.json"
     created = int(manifest.stat().st_mtime) if manifest.is_file() else 0  # when the bundle was written
     return {"id": state.model, "object": "model", "created": created, "owned_by": "wan-aot",
@@ -366,30 +363,6 @@ def model_card(state: State, tenant: str | None = None) -> dict[str, Any]:
             "max_loras": state.offer.max_loras}
 
 
-def _allowed_loras(state: State, tenant: str | None) -> frozenset[str] | None:
-    """The adapters `tenant` may use (its `loras=` in the keys file), None: any."""
-    keys = state.settings.keys
-    return keys.loras(tenant) if keys is not None and tenant is not None else None
-
-
-def _room(state: State, tenant: str) -> None:
-    """429 unless the queue has room for a job of `tenant`."""
-    try:
-        state.store.room(tenant, state.settings.queue_size, state.settings.tenant_queue_size)
-    except QueueFull as e:
-        raise _queue_full(state, e) from None
-
-
-def _queue_full(state: State, e: QueueFull) -> ApiError:
-    recent = state.job_seconds or [10.0]  # about one job's time frees a place in the queue
-    retry = max(1, math.ceil(sum(recent) / len(recent)))
-    if e.mine:
-        message = f"you have {e.waiting} jobs waiting, as many as one tenant may: retry in about {retry} s"
-    else:
-        message = f"the queue is full ({e.waiting} jobs waiting): retry in about {retry} s"
-    return ApiError(429, message, headers={"Retry-After": str(retry)})
-
-
 def _create(state: State, body: Body, tenant: str) -> JSONResponse:
     with state.decodes:  # a decoded image (or video) can take far more memory than its upload: a few at a time
         params = parse_request(body, state.offer, state.pipe,
@@ -398,48 +371,7 @@ def _create(state: State, body: Body, tenant: str) -> JSONResponse:
 
 
 def _queue(state: State, params: dict[str, Any], files: list[bytes], tenant: str) -> JSONResponse:
-    return JSONResponse(add_job(state, params, files, tenant).to_api())
-
-
-def add_job(state: State, params: dict[str, Any], files: list[bytes], tenant: str) -> Job:
-    """Queue a checked request's job (every way in: create, remix, edits, image edits), its files stored with it;
-    429 for a full queue, 507 for a full disk, nothing queued."""
-    loras.check_tenant(params.get("lora"), _allowed_loras(state, tenant))
-    try:
-        job = state.store.add(model=state.model, size=params["size"], seconds=params["seconds"],
-                              prompt=params["prompt"], params=params, images=files,
-                              queue_size=state.settings.queue_size, tenant=tenant,
-                              tenant_queue_size=state.settings.tenant_queue_size)
-    except QueueFull as e:
-        raise _queue_full(state, e) from None
-    except Exception as e:
-        if not disk_full(e):
-            raise
-        if state.metrics is not None:
-            state.metrics.storage_errors.labels("full").inc()
-        raise ApiError(507, "the server's storage is full (no space left for the job's files or its record): "
-                            "nothing was queued; retry once an operator has freed space",
-                       headers={"Retry-After": "60"}) from None
-    state.wake.set()
-    return job
-
-
-async def _read(state: State, request: Request, file_fields: tuple[str, ...] = FILE_FIELDS) -> Body:
-    try:
-        return await read_body(request, state.settings.limits.max_body_bytes or state.offer.max_body_bytes,
-                               state.offer.max_part_bytes, file_fields, state.offer)
-    except ClientDisconnect:  # the body timeout closed the connection (protocol.py), or the client left
-        raise ApiError(408, "the request's body did not arrive in time (--body-timeout), or the client went "
-                            "away") from None
-
-
-def _ready_for_jobs(state: State) -> None:
-    if state.draining.is_set():
-        raise ApiError(503, "the server is shutting down and takes no new jobs; retry on another instance",
-                       code="draining")
-    if not state.ready.is_set():
-        raise ApiError(503, "the model is still loading; retry when GET /ready answers 200", code="loading",
-                       headers={"Retry-After": "5"})
+    return JSONResponse(intake.add_job(state, params, files, tenant).to_api())
 
 
 def derive_routes(app: FastAPI, state: State) -> None:
@@ -448,12 +380,12 @@ def derive_routes(app: FastAPI, state: State) -> None:
     store = state.store
 
     async def derived(request: Request, op: str, path_id: str | None = None) -> JSONResponse:
-        _ready_for_jobs(state)
+        intake.check_ready(state)
         derive.check_way(op, state.offer)
         tenant = request.state.tenant
-        await run_in_threadpool(_room, state, tenant)
+        await run_in_threadpool(intake.check_room, state, tenant)
         with state.uploads.take():
-            body = await _read(state, request, () if path_id is not None else ("video",))
+            body = await intake.read(state, request, () if path_id is not None else ("video",))
             ref = derive.reference(body.fields, path_id)
             derive.check_fields(body, op, state.offer)
             upload = (body.files.pop("video", None) or [None])[0]

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from .access import Names
-from .images import DEFAULT_MAX_SYNC_SECONDS
 from .jobs import JobStore
 from .lease import DEFAULT_STALL_S
 from .limits import Limits, Slots
@@ -18,6 +17,10 @@ from .loras import AFFINITY_MAX, MAX_LORAS
 from .schema import DEFAULT_MAX_SECONDS, MAX_STEPS, Offer
 from .tenants import Keys
 from .webhooks import Config as WebhookConfig
+
+# `serve --max-sync-seconds`: how long an image edit's request waits for its job (images.py); the openai SDK's
+# own default timeout is 600 s
+DEFAULT_MAX_SYNC_SECONDS = 600.0
 
 
 @dataclass
