@@ -243,3 +243,96 @@ def test_a_receiver_down_until_after_a_restart_gets_the_event(hooked: Server) ->
             assert (event.type, json.loads(body)["data"]["id"]) == ("video.completed", video.id)
     finally:
         receiver.stop()
+
+
+def _in_process(tmp_path: Path):
+    """The HTTP app in this process (test_tenants.app_client: a stand-in pipeline, no worker), loopback allowed."""
+    from runtime.serve import webhooks
+
+    from .test_tenants import app_client
+
+    client, _ = app_client(tmp_path, webhooks=webhooks.Config(allow=webhooks.Allow.parse(["127.0.0.1"])))
+    return client
+
+
+def _test_call(client, url: str) -> dict:
+    """An endpoint at `url` made, then POST .../test: its answer."""
+    made = client.post("/v1/webhook_endpoints", json={"name": "t", "url": url, "event_types": ["video.completed"]})
+    assert made.status_code == 200, made.text
+    answer = client.post(f"/v1/webhook_endpoints/{made.json()['id']}/test", json={"event_type": "video.completed"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_success_means_the_endpoint_answered_2xx(tmp_path: Path, receiver: Receiver) -> None:
+    """POST .../test says success only where the endpoint answered 2xx: a 500 is an answer (its status, no error)
+    but no success; and the document says what success means."""
+    client = _in_process(tmp_path)
+    failing = Receiver(status=500)
+    try:
+        assert _test_call(client, failing.url("/fails")) | {"webhook_endpoint_id": ""} == {
+            "object": "webhook_endpoint.test", "event_type": "video.completed", "status_code": 500,
+            "success": False, "webhook_endpoint_id": "", "error": None}
+        assert len(failing.at("/fails")) == 1
+    finally:
+        failing.stop()
+    ok = _test_call(client, receiver.url("/ok"))
+    assert (ok["status_code"], ok["success"], ok["error"]) == (200, True, None)
+    success = client.get("/openapi.json").json()["components"]["schemas"]["WebhookEndpointTestResult"]["properties"][
+        "success"]
+    assert success["type"] == "boolean" and "const" not in success and "2xx" in success["description"]
+
+
+def test_a_resolver_that_hangs_is_cut_at_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """getaddrinfo has no timeout: a resolver slow to say no would hold POST .../test (and a delivery's sender) for as
+    long as it takes. The lookup is given up after RESOLVE_TIMEOUT (a few seconds), the endpoint reported
+    unreachable, success false; a delivery is refused in the same bound, and its connection is opened within
+    CONNECT_TIMEOUT."""
+    import socket
+
+    from runtime.serve import webhooks
+
+    assert 1 <= webhooks.RESOLVE_TIMEOUT <= 5 and 1 <= webhooks.CONNECT_TIMEOUT <= 5
+    asked: list[float] = []
+
+    def unanswered(address: tuple[str, int], timeout: float) -> socket.socket:
+        asked.append(timeout)
+        raise TimeoutError("timed out")
+
+    with monkeypatch.context() as patch:  # an address that never answers the connection
+        patch.setattr(webhooks.socket, "create_connection", unanswered)
+        with pytest.raises(TimeoutError):
+            webhooks.post("http://127.0.0.1:9/hook", b"{}", {}, webhooks.Allow.parse(["127.0.0.1"]))
+    assert asked == [webhooks.CONNECT_TIMEOUT]
+    client = _in_process(tmp_path)
+    release = threading.Event()
+
+    def unknown(*args: object, **kwargs: object) -> list:
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def hang(*args: object, **kwargs: object) -> list:
+        release.wait(60)  # (released at the end: the lookup's thread ends)
+        return unknown()
+
+    monkeypatch.setattr(webhooks.socket, "getaddrinfo", unknown)  # made while its name is not known yet: allowed
+    made = client.post("/v1/webhook_endpoints", json={"name": "slow", "url": "https://slow.example.com/hook",
+                                                      "event_types": ["video.completed"]}).json()
+    monkeypatch.setattr(webhooks.socket, "getaddrinfo", hang)
+    try:
+        t0 = time.monotonic()
+        answer = client.post(f"/v1/webhook_endpoints/{made['id']}/test", json={"event_type": "video.completed"})
+        took = time.monotonic() - t0
+        assert answer.status_code == 200, answer.text
+        result = answer.json()
+        assert (result["status_code"], result["success"]) == (0, False), result
+        assert result["error"].startswith("the endpoint could not be reached: Refused: url's host 'slow.example.com' "
+                                          f"does not resolve (no answer from the resolver within "
+                                          f"{webhooks.RESOLVE_TIMEOUT:g} s)"), result
+        assert webhooks.RESOLVE_TIMEOUT <= took < webhooks.RESOLVE_TIMEOUT + 2, took
+        monkeypatch.setattr(webhooks, "RESOLVE_TIMEOUT", 0.2)  # a delivery's attempt: the same lookup, cut
+        t0 = time.monotonic()
+        with pytest.raises(webhooks.Refused, match="within 0.2 s"):
+            webhooks.post("https://slow.example.com/hook", b"{}", {}, webhooks.Allow.parse([]))
+        assert time.monotonic() - t0 < 2
+    finally:
+        release.set()

@@ -11,6 +11,9 @@ the durable, signed delivery of its jobs' ends to them, so that nobody has to po
   UPDATE SKIP LOCKED on PostgreSQL). At least once, with a stable `webhook-id` (the delivery's id) on every attempt;
   a failed attempt (no answer in DELIVERY_TIMEOUT, an error, any non-2xx, a redirect) is retried after 1, 2, 4, ...
   seconds, at most an hour apart, until `--webhook-retry-for` seconds (a day) after the event, then given up (logged).
+  The host's name is looked up for at most RESOLVE_TIMEOUT seconds (`getaddrinfo` has no timeout of its own, and a
+  resolver slow to say no would hold a sender, or a request, for 10-15 s), the connection opened in at most
+  CONNECT_TIMEOUT: a name with no answer by then does not resolve, for this attempt.
 - **Signatures**, per Standard Webhooks (standardwebhooks.com): headers `webhook-id`, `webhook-timestamp` (seconds) and
   `webhook-signature: v1,<base64 HMAC-SHA256(key, id + "." + timestamp + "." + body)>`, the key being the base64
   after `whsec_` of the endpoint's secret (both the new and the old one for 24 hours after a rotation that keeps it).
@@ -54,7 +57,9 @@ from .errors import ApiError
 log = logging.getLogger("runtime")
 
 EVENT_TYPES = ("video.completed", "video.failed")
-DELIVERY_TIMEOUT = 10.0  # seconds to connect, send and get the answer's status
+DELIVERY_TIMEOUT = 10.0  # seconds each read or write of an attempt may wait: the request sent, the answer's status
+RESOLVE_TIMEOUT = 3.0  # seconds an endpoint's host name may take to resolve (the lookup runs in a thread: `lookup`)
+CONNECT_TIMEOUT = 3.0  # seconds to open the connection to the address that passed the check
 LOCK_S = 60.0  # a claimed delivery is this replica's for this long (more than one attempt takes)
 MAX_BACKOFF = 3600.0
 DEFAULT_RETRY_FOR = 86400.0  # --webhook-retry-for
@@ -136,8 +141,8 @@ def resolve(url: str, allow: Allow, unresolved_ok: bool = False) -> tuple[Any, s
     port = parts.port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
+        infos = lookup(host, port)
+    except (socket.gaierror, UnicodeError, TimeoutError) as e:
         if unresolved_ok:
             return parts, host, port, []
         raise Refused(f"url's host {host!r} does not resolve ({e})") from None
@@ -149,6 +154,37 @@ def resolve(url: str, allow: Allow, unresolved_ok: bool = False) -> tuple[Any, s
     return parts, host, port, addresses
 
 
+def lookup(host: str, port: int, timeout: float | None = None) -> list[Any]:
+    """`socket.getaddrinfo(host, port)` for TCP, given up after `timeout` seconds (RESOLVE_TIMEOUT): TimeoutError.
+    getaddrinfo cannot be interrupted, so it runs in a daemon thread of its own, left to end when the system's resolver
+    gives up (that thread holds nothing: its answer is dropped); its own error (socket.gaierror) is raised here."""
+    timeout = RESOLVE_TIMEOUT if timeout is None else timeout
+    done = threading.Event()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except Exception as e:  # noqa: BLE001  (raised in the caller's thread)
+            out["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="webhook-lookup", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"no answer from the resolver within {timeout:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["infos"]
+
+
+def _connect(address: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection to `address`, opened within CONNECT_TIMEOUT; its reads and writes then wait up to `timeout`."""
+    sock = socket.create_connection((address, port), min(CONNECT_TIMEOUT, timeout))
+    sock.settimeout(timeout)
+    return sock
+
+
 class _Pinned(http.client.HTTPConnection):
     """HTTP to the address that passed the check, whatever the name resolves to now."""
 
@@ -157,7 +193,7 @@ class _Pinned(http.client.HTTPConnection):
         self._address = address
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = _connect(self._address, self.port, self.timeout)
 
 
 class _PinnedTLS(http.client.HTTPSConnection):
@@ -168,13 +204,14 @@ class _PinnedTLS(http.client.HTTPSConnection):
         self._address = address
 
     def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
+        sock = _connect(self._address, self.port, self.timeout)
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
 
 
 def post(url: str, body: bytes, headers: dict[str, str], allow: Allow, timeout: float = DELIVERY_TIMEOUT) -> int:
-    """POST `body` to `url` (checked again, then reached at the checked address); the answer's status. Refused, or
-    OSError / http.client errors, where it cannot be sent."""
+    """POST `body` to `url` (checked again, then reached at the checked address); the answer's status. Refused (its
+    name not resolved within RESOLVE_TIMEOUT among the reasons), or OSError / http.client errors (no connection within
+    CONNECT_TIMEOUT among them), where it cannot be sent."""
     parts, host, port, addresses = resolve(url, allow)
     cls = _PinnedTLS if parts.scheme == "https" else _Pinned
     conn = cls(host, port, str(addresses[0]), timeout)
@@ -568,8 +605,8 @@ class WebhookEndpointDeleted(_Strict):
 class WebhookEndpointTestResult(_Strict):
     object: Literal["webhook_endpoint.test"]
     event_type: str
-    status_code: int
-    success: Literal[True]
+    status_code: int = Field(description="the endpoint's answer's HTTP status, or 0: no answer (error says why)")
+    success: bool = Field(description="whether the endpoint answered 2xx (as a delivery counts as delivered)")
     webhook_endpoint_id: str
     error: str | None = Field(description="why no answer came (status_code is then 0), or null")
 
@@ -723,4 +760,4 @@ def add_routes(app: Any, state: Any) -> None:
         except (Refused, OSError, http.client.HTTPException) as e:  # (its name may resolve elsewhere by now)
             status, error = 0, f"the endpoint could not be reached: {type(e).__name__}: {e}"
         return {"object": "webhook_endpoint.test", "event_type": body.event_type, "status_code": status,
-                "success": True, "webhook_endpoint_id": endpoint.id, "error": error}
+                "success": 200 <= status < 300, "webhook_endpoint_id": endpoint.id, "error": error}
