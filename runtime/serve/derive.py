@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import helios
 from ..kinds import KINDS, Kind
 from .errors import ApiError
+from .request_fields import loop_fields
 from .schema import BY_NAME, Body, Offer, check_video, seconds_of
 
 SOURCE_ROLES = ("source", "remake")  # a derived job's files: the video extended (joined in front) or remade (noised)
@@ -56,8 +56,8 @@ DEFAULT_STRENGTH = 0.8
 # (its LoRA set too, where this server still offers it: the tenant's adapters are checked as a create request's).
 # Diffusion forcing's settings (offered by DF bundles only) go on from the source's to its extension.
 SETTINGS = ("negative_prompt", "seed", "num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift",
-            "sampler", "sigmas", "fps", "conditioning_scale", "lora", "overlap_history", "ar_step",
-            "causal_block_size", "addnoise_condition", "decoder", *helios.SETTINGS)
+            "sampler", "sigmas", "fps", "conditioning_scale", "lora", *(f.name for f in loop_fields("forcing")),
+            "decoder", *(f.name for f in loop_fields("helios")))
 # Each route's fields (besides the source: the remix's path, `video` / `video[id]` for the others).
 FIELDS_OF = {"remix": ("prompt", "strength", *SETTINGS), "edit": ("prompt", "size", "strength", *SETTINGS),
              "extend": ("prompt", "seconds", "size", *SETTINGS)}

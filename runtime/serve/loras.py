@@ -25,6 +25,7 @@ from typing import Any
 
 from ..adapters import EXPERTS
 from .errors import ApiError
+from .jsonnum import number as json_number
 
 MAX_LORAS = 4  # entries per request (`serve --max-loras`)
 SCALE = (-4.0, 4.0)  # a scale's range: past it an adapter's change dwarfs the weights it changes
@@ -86,8 +87,6 @@ def form_part(name: str, value: Any, fields: dict[str, Any]) -> bool:
 def check(value: Any, offer: Any, form: bool) -> list[dict[str, Any]]:
     """The `lora` field, checked in full against the offer (schema.Offer): a list of {"name", "scale", "expert"} with
     the scale a float and the expert None where not given. ApiError(400) naming the field and the entry otherwise."""
-    from .schema import _number  # a form's numbers are text in JSON's number syntax
-
     text = False
     if isinstance(value, Grouped):
         entries, text = value.entries(), True
@@ -122,7 +121,7 @@ def check(value: Any, offer: Any, form: bool) -> list[dict[str, Any]]:
             raise ApiError(400, f"{where}.name {name!r} is not an adapter this server offers: it offers {names} "
                                 "(GET /v1/models lists them)", FIELD)
         scale = entry.get("scale", 1.0)
-        number = _number(scale, False, text)
+        number = json_number(scale, False, text)  # a form's numbers are text in JSON's number syntax
         lo, hi = SCALE
         if number is None or not math.isfinite(number) or not lo <= number <= hi:
             raise ApiError(400, f"{where}.scale must be a finite number in {lo:g}..{hi:g}, got {scale!r}", FIELD)
