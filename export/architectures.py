@@ -2,7 +2,7 @@
 
 `python -m export --model wan2.2-t2v-a14b --no-weights ...` traces every stage on
 `meta` tensors (no weights, no download) and the weights are attached later from
-the real checkpoint (`--attach-weights`). The values are those of the
+the real checkpoint (`python -m export attach`). The values are those of the
 Wan-AI/*-Diffusers repositories (model_index.json, transformer, vae, scheduler,
 image_encoder and image_processor configs): the Wan 2.1 VAE is diffusers' default
 AutoencoderKLWan, TI2V-5B has the Wan 2.2 VAE (z_dim 48, 16x spatial, 2x2 patches),

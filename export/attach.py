@@ -22,8 +22,10 @@ from runtime.errors import UserError
 from . import gguf_file
 from . import weights as weight_writer
 from .attention import AttentionConfig
-from .build import FAMILIES, defaults_for, load_component, replace_dir, write_tokenizer
+from .build import load_component
+from .bundle_files import FAMILIES, replace_dir, write_tokenizer
 from .lora import merge_into, provenance, read_merges
+from .options import defaults_for
 from .prequantized import check_lightx2v, read_lightx2v
 from .source import Source
 
@@ -41,7 +43,7 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     quantized bundle) used as they are; GGUF files (export/gguf_file.py) dequantized, then cast or quantized as
     the bundle stores each tensor. `merges` (--merge-lora, export/lora.py) are merged into the DiT's
     weights; `defaults` (--defaults) replace the bundle's run defaults. `tiny_decoder` (--tiny-decoder, a
-    build.TinyDecoderFile) holds the weights of a bundle exported with one, in the convention it was exported for."""
+    options.TinyDecoderFile) holds the weights of a bundle exported with one, in the convention it was exported for."""
     import torch
 
     manifest = mf.read(bundle)
@@ -65,7 +67,7 @@ def attach_weights(bundle: Path, src: Source, force: bool = False, quantize: str
     if merges and prequantized and manifest.quantize:
         raise UserError(f"--merge-lora cannot merge into this {manifest.quantize} bundle's DiT taken from --dit-weights "
                         "(its weights are stored quantized as they are read): merge the LoRA at load instead "
-                        "(python -m export --lora, then --lora ADAPTER on the runtime)")
+                        "(python -m export lora, then --lora ADAPTER on the runtime)")
     adapters = read_merges(merges, {g: {k: t.shape for k, t in manifest.weights[g].tensors.items()}
                                     for g in experts}) if merges else []
     run_defaults = manifest.defaults
@@ -139,7 +141,7 @@ def _tiny_decoder_tensors(manifest: mf.Manifest, spec: Any, src: Source) -> dict
     in the same latent convention; one-line errors for a file the bundle has no place for, or none where it has."""
     import torch
 
-    from .build import read_tiny_decoder
+    from .decoder_programs import read_tiny_decoder
 
     info = manifest.tiny_decoder
     if info is None:

@@ -1,4 +1,4 @@
-"""`python -m export --lora SOURCE --bundle BUNDLE --out ADAPTER.safetensors`: a Wan LoRA as a bundle adapter.
+"""`python -m export lora SOURCE --bundle BUNDLE --out ADAPTER.safetensors`: a Wan LoRA as a bundle adapter.
 
 The source may be in any format diffusers' Wan LoRA loader reads (diffusers/PEFT keys, the original
 Wan / ComfyUI `diffusion_model.` keys, musubi's `lora_unet_` keys): `WanLoraLoaderMixin.lora_state_dict`

@@ -52,8 +52,8 @@ def import_tf() -> tuple[Any, Any]:
         import tensorflow as tf
         from orbax import export as oex
     except ImportError as e:
-        raise UserError(f"--savedmodel needs TensorFlow and orbax-export ({e.name or e} is not installed): "
-                        f"{PIP}") from None
+        raise UserError(f"python -m export savedmodel needs TensorFlow and orbax-export ({e.name or e} is not "
+                        f"installed): {PIP}") from None
     return tf, oex
 
 
@@ -71,7 +71,7 @@ def check_convertible(manifest: mf.Manifest, bundle: Path) -> None:
                         "signature runs on one device: export the bundle with --target cpu or cuda")
     if not manifest.has_weights:
         raise UserError(f"{bundle} has no weights (exported with --no-weights): attach them first with "
-                        f"python -m export --attach-weights {bundle} --weights CHECKPOINT")
+                        f"python -m export attach {bundle} --weights CHECKPOINT")
 
 
 def convert(bundle: Path, out: Path, force: bool = False, validate: bool = False) -> dict[str, Any]:

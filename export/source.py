@@ -219,7 +219,7 @@ def load(model: str, dtype: str, revision: str | None = None, weights: bool = Tr
         src.weights = False
     elif src.kind == "architecture":
         raise UserError(f"{model} is an architecture name without weights: pass --no-weights to build its "
-                        f"programs, then attach weights with --attach-weights BUNDLE --weights "
+                        f"programs, then attach weights with python -m export attach BUNDLE --weights "
                         f"{architectures.ARCHITECTURES[model]['hub_id']} (or a local copy)")
     return src
 

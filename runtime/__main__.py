@@ -87,7 +87,7 @@ def magcache_from_args(args: argparse.Namespace) -> object | None:
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
-                   help="LoRA adapter from `python -m export --lora`, merged at load (scale default 1; repeatable)")
+                   help="LoRA adapter from `python -m export lora`, merged at load (scale default 1; repeatable)")
 
 
 def loras_from_args(args: argparse.Namespace) -> list[tuple[Path, float]]:
@@ -451,7 +451,7 @@ def parser() -> argparse.ArgumentParser:
     _lora_args(s)
     lo = s.add_argument_group("LoRA adapters per request (see runtime/serve/README.md, \"LoRA adapters\")")
     lo.add_argument("--lora-dir", type=Path, metavar="DIR",
-                    help="offer the adapters in DIR (made by `python -m export --lora ... --bundle BUNDLE`), by file "
+                    help="offer the adapters in DIR (made by `python -m export lora ... --bundle BUNDLE`), by file "
                          "name without .safetensors: a request's `lora` names them, and the replica switches its "
                          "weights between jobs; each is checked against the bundle at start (--lora adapters apply "
                          "to every job, before these)")

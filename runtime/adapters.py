@@ -49,10 +49,10 @@ def scan(lora_dir: Path, manifest: mf.Manifest) -> dict[str, lora.Adapter]:
     where = Path(lora_dir)
     if not where.is_dir():
         raise UserError(f"--lora-dir {where} is not a directory (it holds the adapters made by python -m export "
-                        "--lora ... --bundle BUNDLE --out DIR/NAME.safetensors)")
+                        "lora ... --bundle BUNDLE --out DIR/NAME.safetensors)")
     files = sorted(p for p in where.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
     if not files:
-        raise UserError(f"--lora-dir {where} holds no .safetensors adapters: make them with python -m export --lora "
+        raise UserError(f"--lora-dir {where} holds no .safetensors adapters: make them with python -m export lora "
                         f"SOURCE --bundle BUNDLE --out {where}/NAME.safetensors")
     out = {}
     for path in files:
@@ -86,7 +86,7 @@ def resolve(loras: Sequence[LoraSpec] | None, manifest: mf.Manifest,
             if not path.is_file():
                 offered = f", nor one of the adapters offered ({', '.join(sorted(named))})" if named else ""
                 raise UserError(f"LoRA adapter {source} does not exist{offered}: make one with python -m export "
-                                "--lora SOURCE --bundle BUNDLE --out ADAPTER.safetensors")
+                                "lora SOURCE --bundle BUNDLE --out ADAPTER.safetensors")
         into = None
         if expert is not None:
             if experts < 2:

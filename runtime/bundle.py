@@ -502,7 +502,7 @@ def load_program(path: Path, manifest: mf.Manifest, name: str, part: str = "") -
 
 def no_weights_message(path: Path) -> str:
     return (f"bundle {path} has no weights attached (exported with --no-weights): run `python -m export "
-            f"--attach-weights {path} --weights CHECKPOINT` first")
+            f"attach {path} --weights CHECKPOINT` first")
 
 
 def open_bundle(path: str | Path, verify: bool = True, on_host: bool = False,

@@ -80,16 +80,23 @@ Conditioning modes (how the image enters the denoising loop):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from . import programs
 from .errors import UserError
+from .programs import (  # noqa: F401  (kinds.DENOISE_VARIANTS, kinds.SHAPE_SEPARATOR, ... as before)
+    DENOISE_VARIANTS,
+    DIT_GROUPS,
+    SHAPE_SEPARATOR,
+    STAGE_SUFFIX,
+    TEXT_ENCODER,
+    DenoiseVariant,
+    Program,
+)
 
-DIT_GROUPS = ("transformer", "transformer_2")
 # The decoders a run can pick (`decoder=`), by the prefix of their chunk programs ("<prefix>_first", "<prefix>_next"):
 # the VAE's, and a tiny decoder's where the bundle has one (Manifest.tiny_decoder, export/tiny_decoder.py).
-DECODERS = {"full": "vae_decode", "tiny": "tiny_decode"}  # the DiT experts' weight groups, in expert order
-TEXT_ENCODER = "text_encoder"  # the program over all max_sequence_length tokens; shorter ones add "_<length>"
+DECODERS = {"full": programs.VAE_DECODE, "tiny": programs.TINY_DECODE}
 
 
 @dataclass(frozen=True)
@@ -227,31 +234,43 @@ class Kind:
         before the cross_kv programs existed, whose steps took the text (and CLIP image) embeddings."""
         return self.conditioning_inputs + (("image_embeds",) if self.image_encoder else ())
 
-    def stages(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False,
-               video_to_video: bool = False, tiny_decoder: bool = False) -> tuple[str, ...]:
-        """The programs a bundle of this kind holds, in the order they run (bundles exported before the
-        denoise variants other than "cfg" existed hold only that one, and the runtime falls back to it; those
-        exported before the cross_kv programs existed have none, and their steps take the embeddings; those
-        exported before the shorter text encoder programs existed have only the full one). `short_prompts`: the
-        bundle has the cross_kv_t<T> programs too (CPU targets)."""
-        out = [text_encoder_program(n, max_sequence_length) for n in text_lengths(max_sequence_length)]
+    def short_prompts(self, platform: str) -> bool:
+        """Whether a bundle for `platform` holds the short prompts' programs (cross_kv_t<T> and short block programs,
+        export/cross_kv.py): CPU targets, where cross-attention over 512 rows is a tenth of a small video's step;
+        elsewhere not (the TPU kernel takes no bias). Not for VACE (its head runs the VACE blocks' cross-attention,
+        on the whole text's keys and values), nor where the steps are one program each (no block loop)."""
+        return platform == "cpu" and not self.vace and self.block_loop
+
+    def programs(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False,
+                 video_to_video: bool = False, tiny_decoder: bool = False) -> tuple[Program, ...]:
+        """The programs a bundle of this kind holds for a shape of `latent_frames`, in the order they run (bundles
+        exported before the denoise variants other than "cfg" existed hold only that one, and the runtime falls back
+        to it; those exported before the cross_kv programs existed have none, and their steps take the embeddings;
+        those exported before the shorter text encoder programs existed have only the full one). `short_prompts`:
+        the bundle has the cross_kv_t<T> programs too (`Kind.short_prompts`). The one list of them: the export
+        builds these (export/build.py), and the runtime checks a bundle against them."""
+        L = max_sequence_length
+        out = [Program(TEXT_ENCODER, text_rows=None if n == L else n) for n in text_lengths(L)]
         if self.image_encoder:
-            out.append("image_encoder")
+            out.append(Program(programs.IMAGE_ENCODER))
         if self.animate:
-            out.append("face_motion")
+            out.append(Program(programs.FACE_MOTION))
         encode = "video" if video_to_video else self.vae_encode
         if encode:
-            out.append("vae_encode_first")
-            if encode == "video" and latent_frames > 1:
-                out.append("vae_encode_next")
-        rows = [None, *(short_text_lengths(max_sequence_length) if short_prompts else ())]
-        out += [cross_kv_program(e, t) for e in range(self.experts) for t in rows]
-        out += [denoise_program(e, v) for e in range(self.experts) for v in self.variants]
+            out += [Program(programs.VAE_ENCODE, chunk=c)
+                    for c in programs.CHUNKS[: 2 if encode == "video" and latent_frames > 1 else 1]]
+        rows = [None, *(short_text_lengths(L) if short_prompts else ())]
+        out += [Program.cross_kv(e, t) for e in range(self.experts) for t in rows]
+        out += [Program.denoise(e, v) for e in range(self.experts) for v in self.variants]
         for decoder in DECODERS.values() if tiny_decoder else (DECODERS["full"],):
-            out.append(f"{decoder}_first")
-            if latent_frames > 1:
-                out.append(f"{decoder}_next")
+            out += [Program(decoder, chunk=c) for c in programs.CHUNKS[: 2 if latent_frames > 1 else 1]]
         return tuple(out)
+
+    def stages(self, latent_frames: int, max_sequence_length: int, short_prompts: bool = False,
+               video_to_video: bool = False, tiny_decoder: bool = False) -> tuple[str, ...]:
+        """The names of `programs`."""
+        return tuple(p.name for p in self.programs(latent_frames, max_sequence_length, short_prompts,
+                                                   video_to_video, tiny_decoder))
 
 
 # Denoise inputs that change every step, which the loop computes (not the run's conditioning): a flow-map model's
@@ -329,47 +348,22 @@ def get(name: str) -> Kind:
     return KINDS[name]
 
 
-@dataclass(frozen=True)
-class DenoiseVariant:
-    """One of the denoise programs of an expert; the host picks one per step (runtime/pipeline.py).
-
-    cfg: the DiT runs cond and uncond as one batch of 2B and guidance mixes them; without, it runs the
-    cond half only (batch B), for steps whose guidance is <= 1, where the result is cond alone anyway.
-    residual: "" (plain step), "out" (also returns the transformer blocks' residual, a MagCache full
-    step) or "in" (takes a residual and skips the blocks, a MagCache cached step).
-    """
-
-    name: str
-    suffix: str
-    cfg: bool
-    residual: str
-
-
-DENOISE_VARIANTS: dict[str, DenoiseVariant] = {v.name: v for v in (
-    DenoiseVariant("cfg", "", cfg=True, residual=""),
-    DenoiseVariant("cond", "_cond", cfg=False, residual=""),
-    DenoiseVariant("residual", "_residual", cfg=True, residual="out"),
-    DenoiseVariant("cached", "_cached", cfg=True, residual="in"),
-)}
-
-
 def denoise_program(expert: int, variant: str = "cfg") -> str:
     """Expert 0 runs `denoise_step[suffix]`, expert 1 `denoise_step_2[suffix]` (the same program file, other
     weights); the suffix names the variant (DENOISE_VARIANTS), none for the CFG step every bundle has."""
-    base = "denoise_step" if expert == 0 else f"denoise_step_{expert + 1}"
-    return base + DENOISE_VARIANTS[variant].suffix
+    return Program.denoise(expert, variant).name
 
 
 def cross_kv_program(expert: int, text_rows: int | None = None) -> str:
     """The program computing expert `expert`'s cross-attention keys and values of a prompt (export/cross_kv.py):
     `cross_kv`, `cross_kv_2` (the same program file, the second expert's weights); with `text_rows` T, the one
     over a short prompt's first T rows (`short_text_lengths`): `cross_kv_t<T>`, `cross_kv_2_t<T>`."""
-    base = "cross_kv" if expert == 0 else f"cross_kv_{expert + 1}"
-    return base if text_rows is None else f"{base}_t{text_rows}"
+    return Program.cross_kv(expert, text_rows).name
 
 
 def is_cross_kv(program: str) -> bool:
-    return re.fullmatch(r"cross_kv(_2)?(_t\d+)?", program) is not None
+    p = Program.parse(program)
+    return p is not None and p.base == programs.CROSS_KV and not p.shape
 
 
 def short_text_lengths(max_sequence_length: int) -> tuple[int, ...]:
@@ -378,13 +372,15 @@ def short_text_lengths(max_sequence_length: int) -> tuple[int, ...]:
     return tuple(n for n in text_lengths(max_sequence_length) if n < max_sequence_length)
 
 
-STAGE_SUFFIX = "_stage"  # a Helios pyramid's lower stages' DiT programs: "<program>_stage<k>" (runtime/helios.py)
-
-
 def stage_program(program: str, stage: int, stages: int) -> str:
     """The DiT program `program` (a denoise program, before any shape suffix) of pyramid stage `stage` of `stages`:
     the full-resolution (last) stage's is the program itself, a lower stage's "<program>_stage<k>"."""
-    return program if stage == stages - 1 else f"{program}{STAGE_SUFFIX}{stage}"
+    if stage == stages - 1:
+        return program
+    p = Program.parse(program)
+    if p is None:  # a name made of parts (export's "" + the stage suffix)
+        return f"{program}{STAGE_SUFFIX}{stage}"
+    return p.replace(stage=stage).name
 
 
 def pyramid_programs(program: str, stages: int) -> tuple[str, ...]:
@@ -397,32 +393,21 @@ def pyramid_programs(program: str, stages: int) -> tuple[str, ...]:
 def denoise_variant(name: str) -> DenoiseVariant | None:
     """The variant of denoise program `name` (of any shape or pyramid stage), or None if `name` is not a denoise
     program."""
-    name = re.sub(rf"{STAGE_SUFFIX}\d+$", "", base_program(name))
-    for v in DENOISE_VARIANTS.values():
-        for e in (0, 1):
-            if name == denoise_program(e, v.name):
-                return v
-    return None
-
-
-SHAPE_SEPARATOR = "@"  # a program of a bundle's other shapes: "<program>@<W>x<H>x<F>" or "<program>@<W>x<H>"
+    p = Program.parse(name)
+    return p.denoise_variant if p is not None else None
 
 
 def shape_scope(program: str) -> str:
     """What program `program`'s tensor shapes depend on, so what a bundle of several shapes holds one of per
     shape: "" (nothing: the text and image encoders, the cross-attention keys and values), "size" (width x
     height: the VAE's one-frame chunks) or "video" (width x height x frames: the DiT's denoise programs)."""
-    program = base_program(program)
-    if program.startswith(("vae_encode", "vae_decode", "tiny_decode")):
-        return "size"
-    if denoise_variant(program) is not None or program == "face_motion":
-        return "video"
-    return ""
+    p = Program.parse(program)
+    return p.scope if p is not None else ""
 
 
 def base_program(name: str) -> str:
     """Program `name` without its shape suffix (kinds.SHAPE_SEPARATOR): the stage it is, whatever its shape."""
-    return name.split(SHAPE_SEPARATOR, 1)[0]
+    return name.partition(SHAPE_SEPARATOR)[0]
 
 
 PIPELINE_STAGES = ("encode", "denoise", "decode")  # the order a generation runs its programs' stages in
@@ -438,23 +423,19 @@ def text_lengths(max_sequence_length: int) -> tuple[int, ...]:
 
 
 def text_encoder_program(length: int, max_sequence_length: int) -> str:
-    return TEXT_ENCODER if length == max_sequence_length else f"{TEXT_ENCODER}_{length}"
+    return Program(TEXT_ENCODER, text_rows=None if length == max_sequence_length else length).name
 
 
 def is_text_encoder(program: str) -> bool:
-    return program == TEXT_ENCODER or (program.startswith(TEXT_ENCODER + "_")
-                                       and program.removeprefix(TEXT_ENCODER + "_").isdigit())
+    p = Program.parse(program)
+    return p is not None and p.base == TEXT_ENCODER and not p.shape
 
 
 def pipeline_stage(program: str) -> str:
     """Which of PIPELINE_STAGES program `program` belongs to: the DiT's programs (its steps and cross-attention
     keys and values) denoise, the VAE decoder's decode, the rest (text, CLIP, VAE encoder) encode."""
-    program = base_program(program)
-    if program.startswith(("vae_decode", "tiny_decode")):
-        return "decode"
-    if denoise_variant(program) is not None or is_cross_kv(program) or program == "face_motion":
-        return "denoise"
-    return "encode"
+    p = Program.parse(program)
+    return p.pipeline_stage if p is not None else "encode"
 
 
 def check_images(kind: Kind, image: object, last_image: object) -> None:

@@ -1,6 +1,6 @@
 """LoRA adapters merged into a bundle's weights as they are placed, on each device's own shard.
 
-An adapter (written by `python -m export --lora`, see export/lora.py for the layout) holds, per
+An adapter (written by `python -m export lora`, see export/lora.py for the layout) holds, per
 weight of an expert, A (r, in) and B (out, r) with its PEFT scale folded in, and LoRA bias deltas.
 `runtime.load(bundle, loras=[(path, scale), ...])` reads the adapters' headers and shapes when the
 bundle opens (an adapter for another bundle, a tensor the bundle lacks, a shape that differs: one
@@ -123,12 +123,12 @@ def _open(path: Path, manifest: mf.Manifest, label: str) -> Any:
     from safetensors import safe_open
 
     if not Path(path).is_file():
-        raise UserError(f"{label} does not exist (make one with python -m export --lora SOURCE --bundle BUNDLE "
+        raise UserError(f"{label} does not exist (make one with python -m export lora SOURCE --bundle BUNDLE "
                         "--out ADAPTER.safetensors)")
     f = safe_open(str(path), framework="numpy")
     header = f.metadata() or {}
     if header.get("format") != FORMAT:
-        raise UserError(f"{label} is not a wan-aot adapter: convert the LoRA with python -m export --lora "
+        raise UserError(f"{label} is not a wan-aot adapter: convert the LoRA with python -m export lora "
                         f"{path} --bundle BUNDLE --out ADAPTER.safetensors")
     if header.get("bundle_id") != manifest.bundle_id:
         raise UserError(f"{label} was made for bundle {header.get('bundle_id')}, not this one "

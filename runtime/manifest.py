@@ -24,6 +24,7 @@ from typing import Any
 
 from . import kinds
 from .errors import BundleError
+from .programs import DENOISE, SHAPE_SEPARATOR, Program
 
 # Schema history. Bump SCHEMA_VERSION on purpose, for any change an older runtime would misread, and
 # add a migration from the previous version to MIGRATIONS (or let the old version be refused with a
@@ -315,6 +316,28 @@ def shape_suffix(scope: str, g: Geometry, default: Geometry) -> str:
     return ""
 
 
+def bundle_programs(kind: kinds.Kind, shapes: typing.Sequence[Geometry], short_prompts: bool = False,
+                    video_to_video: bool = False, tiny_decoder: bool = False, pyramid: int = 1
+                    ) -> dict[Program, Geometry]:
+    """Every program a bundle of `kind` and `shapes` (the default first) holds, named for its shape, with the shape it
+    is made for: kinds.Kind.programs for each shape, a Helios pyramid of `pyramid` stages' lower stages' denoise
+    programs too. A program whose shapes depend on no shape is made for the default one; one that depends on the size
+    for the size's longest shape (its chunks serve every frame count of the size). The one list of a bundle's
+    programs: the export builds it (export/build.py), Manifest.stages names it."""
+    default = shapes[0]
+    out: dict[Program, Geometry] = {}
+    for g in shapes:
+        longest = max((x for x in shapes if x.size == g.size), key=lambda x: x.latent_frames)
+        for p in kind.programs(g.latent_frames, default.max_sequence_length, short_prompts, video_to_video,
+                               tiny_decoder):
+            at = {"video": g, "size": longest}.get(p.scope, default)
+            shape = shape_suffix(p.scope, g, default).removeprefix(SHAPE_SEPARATOR)
+            stages = range(pyramid) if p.base == DENOISE else (pyramid - 1,)
+            for k in stages:
+                out.setdefault(p.replace(shape=shape, stage=None if k == pyramid - 1 else k), at)
+    return out
+
+
 @dataclass(frozen=True)
 class TinyDecoder:
     """A tiny decoder beside the VAE (export/tiny_decoder.py): its programs `tiny_decode_first` / `tiny_decode_next`
@@ -407,13 +430,10 @@ class Manifest:
 
     def stages(self, short_prompts: bool = False) -> tuple[str, ...]:
         """The programs a bundle of this kind and these shapes holds (kinds.Kind.stages, named for each shape; a
-        Helios pyramid's lower stages' DiT programs too)."""
-        kind, L = kinds.get(self.kind), self.geometry.max_sequence_length
-        pyramid = self.chunks.stages if self.chunks is not None else 1
-        return tuple(dict.fromkeys(self.program_for(q, g) for g in self.shapes
-                                   for p in kind.stages(g.latent_frames, L, short_prompts, self.video_to_video,
-                                                        self.tiny_decoder is not None)
-                                   for q in kinds.pyramid_programs(p, pyramid)))
+        Helios pyramid's lower stages' DiT programs too): `bundle_programs`' names."""
+        return tuple(p.name for p in bundle_programs(kinds.get(self.kind), self.shapes, short_prompts,
+                                                     self.video_to_video, self.tiny_decoder is not None,
+                                                     self.chunks.stages if self.chunks is not None else 1))
 
     def find_shape(self, width: int | None = None, height: int | None = None, frames: int | None = None,
                    reference_images: int | None = None) -> Geometry | None:

@@ -1,4 +1,4 @@
-"""Programs built from a config alone (--no-weights), weights attached later (--attach-weights)."""
+"""Programs built from a config alone (--no-weights), weights attached later (python -m export attach)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_attached_bundle_equals_a_direct_export(bare, checkpoints, fp32_bundles,
     assert all(w.file is None for w in m.weights.values())
     with pytest.raises(runtime.errors.BundleError, match="no weights attached"):
         runtime.load(bundle)
-    run_module("export", "--attach-weights", str(bundle), "--weights", ckpt, "-q")
+    run_module("export", "attach", str(bundle), "--weights", ckpt, "-q")
     direct = fp32_bundles["tiny-64x32-f9"] if dtype == "fp32" else bf16_bundle
     assert _files(bundle) == _files(direct)
     assert mf.read(bundle).source["weights"]["kind"] == "directory"
@@ -66,7 +66,7 @@ def test_attached_bundle_equals_a_direct_export(bare, checkpoints, fp32_bundles,
 def test_wrong_weights_are_refused_and_nothing_changes(bare, checkpoints, tmp_path: Path) -> None:
     bare = _copy(bare["fp32"], tmp_path / "bare")
     before = {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()}
-    proc = run_module("export", "--attach-weights", str(bare), "--weights", str(checkpoints["tiny-wide"]),
+    proc = run_module("export", "attach", str(bare), "--weights", str(checkpoints["tiny-wide"]),
                       check=False)
     assert proc.returncode == 2
     line = proc.stderr.strip()
@@ -77,10 +77,12 @@ def test_wrong_weights_are_refused_and_nothing_changes(bare, checkpoints, tmp_pa
 
 def test_attaching_twice_needs_force(checkpoints, fp32_bundles, tmp_path: Path) -> None:
     bundle = _copy(fp32_bundles["tiny-64x32-f9"], tmp_path / "b")
-    proc = run_module("export", "--attach-weights", str(bundle), "--weights", str(checkpoints["tiny"]), check=False)
+    proc = run_module("export", "attach", str(bundle), "--weights", str(checkpoints["tiny"]), check=False)
     assert proc.returncode == 2 and "already has weights: pass --force" in proc.stderr
-    proc = run_module("export", "--attach-weights", str(bundle), check=False)
-    assert proc.returncode == 2 and "needs --weights" in proc.stderr
+    proc = run_module("export", "attach", str(bundle), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == ("error: python -m export attach: the following arguments "
+                                                             "are required: --weights (see python -m export attach "
+                                                             "--help)")
 
 
 @pytest.mark.parametrize("kind", [pytest.param("i2v", marks=pytest.mark.slow), "i2v-moe"])  # i2v-moe: image + 2 experts
@@ -90,10 +92,10 @@ def test_attach_for_image_and_two_expert_models(kind: str, bare, kind_checkpoint
     bare = _copy(bare[kind], tmp_path / "bare")
     before = {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()}
     other = "t2v-moe" if kind == "i2v-moe" else "flf2v"  # the same family, another kind
-    proc = run_module("export", "--attach-weights", str(bare), "--weights", str(kind_checkpoints[other]), check=False)
+    proc = run_module("export", "attach", str(bare), "--weights", str(kind_checkpoints[other]), check=False)
     assert proc.returncode == 2 and "does not match the bundle's model: its kind is" in proc.stderr.strip()
     assert {p: p.read_bytes() for p in bare.rglob("*") if p.is_file()} == before
-    run_module("export", "--attach-weights", str(bare), "--weights", str(kind_checkpoints[kind]), "-q")
+    run_module("export", "attach", str(bare), "--weights", str(kind_checkpoints[kind]), "-q")
     assert _files(bare) == _files(kind_bundles[kind])
     groups = set(mf.read(bare).weights)
     assert groups == ({"text_encoder", "image_encoder", "transformer", "vae"} if kind == "i2v" else

@@ -59,7 +59,7 @@ def test_a_dcp_folder_attaches_as_the_diffusers_directory(checkpoints, fp32_bund
     bundle = tmp_path / "bundle"
     run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", res, "--frames", str(frames),
                "--dtype", "fp32", "--max-sequence-length", str(max_len), "--out", str(bundle), "-q")
-    proc = run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--dit-weights", str(run))
+    proc = run_module("export", "attach", str(bundle), "--weights", str(ckpt), "--dit-weights", str(run))
     assert "reading step-10, the highest of 2 step(s)" in proc.stderr, proc.stderr
     got = load_file(str(bundle / "weights" / "transformer.safetensors"))
     want = load_file(str(fp32_bundles["tiny-64x32-f9"] / "weights" / "transformer.safetensors"))
@@ -135,7 +135,7 @@ def test_a_dcp_folder_that_is_not_this_model_is_one_line(checkpoints, tmp_path: 
              (pt, r"is a pickle \(\.pt\), which export never unpickles"),
              (evil, r"names posix\.system, which DCP's metadata never holds")]
     for path, message in cases:
-        proc = run_cli("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--dit-weights", str(path),
+        proc = run_cli("export", "attach", str(bundle), "--weights", str(ckpt), "--dit-weights", str(path),
                        "-q", check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr

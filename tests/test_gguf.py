@@ -64,7 +64,7 @@ def test_a_gguf_dit_gives_the_frames_of_diffusers_gguf_loader(checkpoints, fp32_
     file = _gguf(original, tmp_path / "wan-tiny-Q4_K_M.gguf")
     out = tmp_path / "bundle"
     shutil.copytree(fp32_bundles["tiny-64x32-f9"], out)
-    run_cli("export", "--attach-weights", str(out), "--weights", str(ckpt), "--dit-weights", str(file), "--force",
+    run_cli("export", "attach", str(out), "--weights", str(ckpt), "--dit-weights", str(file), "--force",
             "-q")
     got = load_file(str(out / "weights" / "transformer.safetensors"))
     for old, new in diffusers_names(list(original)).items():
@@ -165,7 +165,7 @@ def test_bad_gguf_files_are_one_line_and_write_nothing(checkpoints, fp32_bundles
               r"has: blocks\.1\.self_attn\.\w\.weight\)"),
              (not_gguf, r"cannot read --dit-weights \S+torn\.gguf as GGUF")]
     for path, message in cases:
-        proc = run_cli("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--dit-weights", str(path),
+        proc = run_cli("export", "attach", str(bundle), "--weights", str(ckpt), "--dit-weights", str(path),
                        "--force", "-q", check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -180,10 +180,8 @@ def test_bad_gguf_files_are_one_line_and_write_nothing(checkpoints, fp32_bundles
 def test_a_gguf_model_is_the_first_experts_dit_weights() -> None:
     """`--model FILE.gguf --weights CHECKPOINT [--dit-weights LOW.gguf]` is an export of CHECKPOINT whose DiT experts
     come from the GGUF files, in that order (the rest of the export is test_dcp's full export with --dit-weights)."""
-    from export.__main__ import _gguf_model, parser
+    from export.__main__ import _model_and_dit_weights, parser
 
     args = parser().parse_args(["--model", "high.gguf", "--weights", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
                                 "--dit-weights", "low.gguf", "--resolution", "480p", "--out", "x"])
-    _gguf_model(args)
-    assert (args.model, args.weights, args.dit_weights) == ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", None,
-                                                            [Path("high.gguf"), Path("low.gguf")])
+    assert _model_and_dit_weights(args) == ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", [Path("high.gguf"), Path("low.gguf")])

@@ -1,10 +1,10 @@
 """A hub id that cannot be read (no network, or HF_HUB_OFFLINE without the repo in the cache) fails in one line that
-says why and how to get the checkpoint, for `--model` and for `--attach-weights --weights`; nothing is written.
+says why and how to get the checkpoint, for `--model` and for `attach BUNDLE --weights`; nothing is written.
 
 These machines have no hub access; the tests also force it: an empty HF_HOME, and HF_HUB_OFFLINE=1 or a hub
 endpoint on a closed loopback port (huggingface_hub then retries 5 times, 23 s of back-off: the tests skip the
 waits by making time.sleep return at once in the export's process). Each way of being without the hub is one process
-(the hub library reads its environment when imported) that runs both commands, `--model` then `--attach-weights`, each
+(the hub library reads its environment when imported) that runs both commands, `--model` then `attach`, each
 with its own exit code and stderr: one import of the build libraries instead of two.
 """
 
@@ -81,7 +81,7 @@ def _digest(bundle: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def without_the_hub(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], tuple]:
     """(command, offline): (its directory, its completed process) for `--model REPO` (out: DIR/bundle) and
-    `--attach-weights DIR/bundle --weights REPO` (a golden bundle's copy, with its files' digests before), each
+    `attach DIR/bundle --weights REPO` (a golden bundle's copy, with its files' digests before), each
     without the hub either way. Each command has a directory of its own."""
     out = {}
     for offline in (True, False):
@@ -91,7 +91,7 @@ def without_the_hub(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str,
         shutil.copytree(ROOT / "artifacts" / "golden" / "schema-8" / "bundle", attach / "bundle")
         before = _digest(attach / "bundle")
         procs = _exports(root, [["--model", REPO, "--resolution", "480p", "--out", str(model / "bundle")],
-                                ["--attach-weights", str(attach / "bundle"), "--weights", REPO]], offline)
+                                ["attach", str(attach / "bundle"), "--weights", REPO]], offline)
         out["model", offline] = (model, procs[0])
         out["attach", offline] = (attach, procs[1], before)
     return out

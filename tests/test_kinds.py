@@ -297,3 +297,37 @@ def test_every_kind_says_what_it_takes() -> None:
     takes = {name: summary._takes(kind) for name, kind in kinds.KINDS.items()}
     assert takes["t2v"] == "prompt" and takes["skyreels-df"] == "prompt [+ image] [+ video to extend]"
     assert takes["lucy-edit"].endswith(" + video") and takes["vace"].endswith(" [+ video]")
+
+
+def test_program_names_are_made_from_typed_fields_and_read_back() -> None:
+    """A program's identity is runtime/programs.py's typed fields; its name on disk is made from them and read back
+    into the same fields, for every program of every kind (a pyramid's stages, other shapes, short prompts, both
+    decoders) and of every golden bundle (whose names must not change); what is no program's name reads as None."""
+    from runtime import kinds
+    from runtime import manifest as mf
+    from runtime.programs import CROSS_KV, DENOISE, VAE_DECODE, Program
+
+    from .conftest import ROOT
+
+    assert Program.parse("denoise_step_2_cond_stage0@64x32x9r1") == Program(
+        DENOISE, expert=1, variant="cond", stage=0, shape="64x32x9r1")
+    assert Program.parse("cross_kv_2_t64") == Program(CROSS_KV, expert=1, text_rows=64)
+    assert Program.parse("vae_decode_next@32x64") == Program(VAE_DECODE, chunk="next", shape="32x64")
+    assert Program.parse("text_encoder_64").text_rows == 64 and Program.parse("text_encoder").text_rows is None
+    for name in ("denoise_block_2_t64", "denoise_step_tail", "denoise_step_fast", "cross_kv_x", "vae_decode", "x"):
+        assert Program.parse(name) is None, name
+    g = mf.Geometry(width=64, height=32, frames=9, batch=1, max_sequence_length=64, latent_channels=16,
+                    latent_frames=3, latent_height=4, latent_width=8, text_dim=32, temporal_scale=4, spatial_scale=8)
+    shapes = [g, mf.dataclasses.replace(g, width=32, height=64, latent_height=8, latent_width=4),
+              mf.dataclasses.replace(g, frames=1, latent_frames=1)]
+    names = set()
+    for kind in kinds.KINDS.values():
+        for flags in ((False, False, False, 1), (True, True, True, 3)):
+            for p, at in mf.bundle_programs(kind, shapes, *flags).items():
+                assert Program.parse(p.name) == p and at in shapes, p
+                names.add(p.name)
+    for manifest in sorted((ROOT / "artifacts" / "golden").glob("*/bundle/manifest.json")):
+        for name in mf.read(manifest.parent).programs:
+            assert Program.parse(name).name == name, (manifest, name)
+    assert {"denoise_step_residual_stage1@32x64x9", "cross_kv_2_t8", "tiny_decode_next@32x64",
+            "face_motion@64x32x1"} <= names

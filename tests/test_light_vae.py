@@ -166,15 +166,15 @@ def test_no_weights_reads_only_the_header(checkpoints, light) -> None:
 
 
 def test_attach_takes_the_same_vae_and_refuses_another(bundle, checkpoints, light, tmp_path: Path) -> None:
-    """--attach-weights ... --vae FILE writes the same VAE weights as the export; without --vae the checkpoint's
+    """`python -m export attach ... --vae FILE` writes the same VAE weights as the export; without --vae the checkpoint's
     VAE (other widths) is refused in one line naming the file the bundle was exported with."""
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)
-    proc = run_cli("export", "--attach-weights", str(copy), "--weights", str(checkpoints["tiny"]), "--force",
+    proc = run_cli("export", "attach", str(copy), "--weights", str(checkpoints["tiny"]), "--force",
                    check=False)
     _fails_cleanly(proc, f"exported with --vae {light['path'].name}")
     assert mf.read(copy).weights == mf.read(bundle).weights
-    run_module("export", "--attach-weights", str(copy), "--weights", str(checkpoints["tiny"]), "--vae",
+    run_module("export", "attach", str(copy), "--weights", str(checkpoints["tiny"]), "--vae",
                str(light["path"]), "--force", "-q")
     after = mf.read(copy)
     assert after.weights["vae"].sha256 == mf.read(bundle).weights["vae"].sha256

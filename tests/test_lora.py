@@ -64,7 +64,7 @@ def wan_format_lora(checkpoint: Path, out: Path, seed: int) -> Path:
 
 
 def _adapter(source: Path, bundle: Path, out: Path, *extra: str) -> Path:
-    run_module("export", "--lora", str(source), "--bundle", str(bundle), "--out", str(out), *extra)
+    run_module("export", "lora", str(source), "--bundle", str(bundle), "--out", str(out), *extra)
     return out
 
 
@@ -138,12 +138,12 @@ def test_adapter_errors_are_one_line(fp32_bundles, checkpoints, kind_bundles, tm
         runtime.load(kind_bundles["t2v-moe"], loras=[(adapter, 1.0)])
     # a LoRA of another architecture: shapes differ (tiny-wide's LoRA on the tiny bundle)
     wide = diffusers_lora(checkpoints["tiny-wide"], tmp_path / "wide", seed=6)
-    proc = run_module("export", "--lora", str(wide), "--bundle", str(bundle), "--out", str(tmp_path / "w.safetensors"),
+    proc = run_module("export", "lora", str(wide), "--bundle", str(bundle), "--out", str(tmp_path / "w.safetensors"),
                       check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "w.safetensors").exists()
     assert "is [" in proc.stderr and "was the adapter made for another model?" in proc.stderr
     # a tensor the bundle does not have: transformer_2 on a one-expert bundle
-    proc = run_module("export", "--lora", str(lora), "--bundle", str(bundle), "--out", str(tmp_path / "x.safetensors"),
+    proc = run_module("export", "lora", str(lora), "--bundle", str(bundle), "--out", str(tmp_path / "x.safetensors"),
                       "--lora-into", "transformer_2", check=False)
     assert proc.returncode == 2 and "targets transformer_2, which bundle" in proc.stderr
     # the runtime's CLI: a missing adapter, a bad scale

@@ -8,7 +8,7 @@ switches are counted, and a queue of A, B, A, B, A, B switches at most twice. Ev
 field before anything is queued; an adapter that does not fit stops `serve` in one line.
 
 Adapters are written in the adapter layout (runtime/lora.py) from random numbers; B is converted from a Wan-format
-LoRA by export/lora.py's `convert`, what `python -m export --lora` runs, as a user would convert theirs.
+LoRA by export/lora.py's `convert`, what `python -m export lora` runs, as a user would convert theirs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS = ("attn1.to_q", "attn1.to_out.0", "attn2.to_k", "ffn.net.0.proj", "ffn.n
 
 def make_adapter(bundle: Path, out: Path, seed: int, rank: int = 4, group: str = "transformer",
                  bundle_id: str | None = None) -> Path:
-    """A random adapter for `bundle` in the layout `python -m export --lora` writes: A (r, in) and B (out, r) for some
+    """A random adapter for `bundle` in the layout `python -m export lora` writes: A (r, in) and B (out, r) for some
     linear layers of every block of expert `group`, and a bias delta where the layer has a bias (`bundle_id`: the
     bundle its header names, if not `bundle`'s)."""
     from safetensors.numpy import save_file
@@ -109,7 +109,7 @@ def check_sequence(bundle: Path, lora_dir: Path, references: dict[str, tuple[np.
 
 @pytest.fixture(scope="module")
 def bf16_loras(bf16_bundle: Path, checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The adapters A and B of the bf16 tiny bundle; B converted by `python -m export --lora` from a Wan-format LoRA
+    """The adapters A and B of the bf16 tiny bundle; B converted by `python -m export lora` from a Wan-format LoRA
     (the original Wan / ComfyUI keys)."""
     from export.lora import convert
 

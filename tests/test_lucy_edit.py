@@ -75,7 +75,7 @@ def test_a_lora_merged_at_load_and_the_euler_sampler_as_diffusers(pipe, kind_bun
 
     bundle, ckpt = kind_bundles["lucy-edit"], kind_checkpoints["lucy-edit"]
     lora = wan_format_lora(ckpt, tmp_path / "lora", seed=5)
-    run_cli("export", "--lora", str(lora), "--bundle", str(bundle), "--out", str(tmp_path / "a.safetensors"), "-q")
+    run_cli("export", "lora", str(lora), "--bundle", str(bundle), "--out", str(tmp_path / "a.safetensors"), "-q")
     adapted = runtime.load(bundle, loras=[(tmp_path / "a.safetensors", 0.8)])
     video = _video(5, 64, 32, seed=8)
     g = adapted.shape_for_videos(video=video)

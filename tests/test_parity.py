@@ -124,7 +124,7 @@ def test_timestep_scale_1_feeds_the_dit_sigma_as_diffusers_fed_t_over_1000(fp32_
     import torch
     from diffusers import WanPipeline
 
-    from export.build import defaults_for, parse_defaults
+    from export.options import defaults_for, parse_defaults
     from runtime import kinds
     from runtime.errors import UserError
     from runtime.scheduler import UniPCConfig

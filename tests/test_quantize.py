@@ -224,7 +224,7 @@ def test_lora_merges_into_quantized_weights(quant_bundles, fp32_bundles, checkpo
     lora = diffusers_lora(checkpoints["tiny"], tmp_path / "src", seed=7)
     bundles = {"int8": quant_bundles["t2v", "int8"], "plain": fp32_bundles["tiny-64x32-f9"]}
     adapters = {k: tmp_path / f"{k}.safetensors" for k in bundles}
-    run_modules(*[["export", "--lora", str(lora), "--bundle", str(b), "--out", str(adapters[k])]
+    run_modules(*[["export", "lora", str(lora), "--bundle", str(b), "--out", str(adapters[k])]
                   for k, b in bundles.items()])
     frames = {(k, with_lora): _frames(runtime.load(b, loras=[(adapters[k], 0.8)] if with_lora else None))
               for k, b in bundles.items() for with_lora in (True, False)}
@@ -316,7 +316,7 @@ def test_lightx2v_checkpoints_attach_as_export_quantizes(kind_checkpoints, quant
     ckpt = kind_checkpoints["t2v-moe"]
     bundle = _int8_programs(ckpt, tmp_path / "bundle")
     files = [lightx2v_file(ckpt, g, tmp_path / f"{g}.safetensors", "int8") for g in ("transformer", "transformer_2")]
-    run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--quantize", "int8",
+    run_module("export", "attach", str(bundle), "--weights", str(ckpt), "--quantize", "int8",
                "--dit-weights", str(files[0]), "--dit-weights", str(files[1]), "-q")
     proc = run_cli("runtime", "verify", str(bundle))
     assert "ready to run" in proc.stdout
@@ -351,7 +351,7 @@ def test_prequantized_file_that_does_not_match_is_one_line(kind_checkpoints, tmp
     capsys.readouterr()
     for files, extra, message in cases:  # in this process: the CLI's main, as `python -m export` runs it
         args = [a for f in files for a in ("--dit-weights", str(f))]
-        code = main(["--attach-weights", str(bundle), "--weights", str(ckpt), *args, *extra, "-q"])
+        code = main(["attach", str(bundle), "--weights", str(ckpt), *args, *extra, "-q"])
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err, err[-2000:]
         lines = err.strip().splitlines()

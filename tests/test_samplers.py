@@ -307,7 +307,7 @@ def test_a_distilled_dit_in_the_original_wan_layout_attaches_with_run_defaults(c
     bundle = tmp_path / "bundle"
     run_module("export", "--model", str(ckpt), "--no-weights", "--resolution", "64x32", "--frames", "5",
                "--dtype", "bf16", "--max-sequence-length", "16", "--out", str(bundle), "-q")
-    run_module("export", "--attach-weights", str(bundle), "--weights", str(ckpt), "--dit-weights",
+    run_module("export", "attach", str(bundle), "--weights", str(ckpt), "--dit-weights",
                str(tmp_path / "distill.safetensors"), "--defaults", "steps=2,guidance=1,sampler=euler,flow_shift=5",
                "-q")
     assert "ready to run" in run_cli("runtime", "verify", str(bundle)).stdout

@@ -53,7 +53,7 @@ def savedmodels(checkpoints, fp32_bundles, kind_bundles, tmp_path_factory: pytes
             "flf2v": (lambda: kind_bundles["flf2v"], [])}
     out = {name: root / name for name in jobs}
     procs = dict(zip(jobs, in_parallel(*[
-        lambda name=name, bundle=bundle, extra=extra: export_cli("--savedmodel", str(bundle()), "--out",
+        lambda name=name, bundle=bundle, extra=extra: export_cli("savedmodel", str(bundle()), "--out",
                                                                  str(out[name]), *extra)
         for name, (bundle, extra) in jobs.items()])))
     for name, proc in procs.items():
@@ -62,7 +62,7 @@ def savedmodels(checkpoints, fp32_bundles, kind_bundles, tmp_path_factory: pytes
         procs["tiny"].stderr[-2000:]
 
     def two_experts() -> Path:  # the slow tier's
-        proc = export_cli("--savedmodel", str(kind_bundles["t2v-moe"]), "--out", str(root / "t2v-moe"))
+        proc = export_cli("savedmodel", str(kind_bundles["t2v-moe"]), "--out", str(root / "t2v-moe"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         return root / "t2v-moe"
 
@@ -176,7 +176,7 @@ def unconvertible(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 ])
 def test_unconvertible_bundles_are_refused(unconvertible, tmp_path: Path, case: str, message: str) -> None:
     out = tmp_path / "sm"
-    proc = export_cli("--savedmodel", str(unconvertible[case]), "--out", str(out))
+    proc = export_cli("savedmodel", str(unconvertible[case]), "--out", str(out))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert not out.exists() and not list(tmp_path.iterdir())
@@ -186,14 +186,14 @@ def test_existing_output_needs_force(savedmodels, fp32_bundles, tmp_path: Path) 
     out = tmp_path / "sm"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    proc = export_cli("--savedmodel", str(fp32_bundles["tiny-64x32-f9"]), "--out", str(out))
+    proc = export_cli("savedmodel", str(fp32_bundles["tiny-64x32-f9"]), "--out", str(out))
     assert proc.returncode == 2 and "already exists: choose another --out or pass --force" in proc.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
 def test_missing_extra_names_the_pip_command(fp32_bundles, tmp_path: Path) -> None:
     out = tmp_path / "sm"
-    proc = export_cli("--savedmodel", str(fp32_bundles["tiny-64x32-f9"]), "--out", str(out),
+    proc = export_cli("savedmodel", str(fp32_bundles["tiny-64x32-f9"]), "--out", str(out),
                       blocked=("torch", "tensorflow", "orbax"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().endswith("pip install 'wan-aot[savedmodel]'") and proc.stderr.count("\n") == 1

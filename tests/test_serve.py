@@ -550,7 +550,7 @@ def test_server_defaults_magcache_and_lora_adapters(kind_bundles, kind_checkpoin
     bundle = kind_bundles["t2v-moe"]
     lora = diffusers_lora(kind_checkpoints["t2v-moe"], tmp_path / "lora", seed=8, subfolder="transformer_2")
     adapter = tmp_path / "low.safetensors"
-    run_module("export", "--lora", str(lora), "--bundle", str(bundle), "--out", str(adapter), "--lora-into",
+    run_module("export", "lora", str(lora), "--bundle", str(bundle), "--out", str(adapter), "--lora-into",
                "transformer_2")
     ratios = tmp_path / "ratios.json"
     ratios.write_text(json.dumps([1.0] * 4))

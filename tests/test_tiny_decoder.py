@@ -204,7 +204,7 @@ def test_the_server_takes_decoder_where_the_bundle_has_one(bundles, fp32_bundles
 
 
 def test_attach_takes_the_tiny_decoder_file_too(checkpoints, files, bundles, tmp_path: Path) -> None:
-    """A --no-weights export with --tiny-decoder has its programs and no weights; --attach-weights needs the file
+    """A --no-weights export with --tiny-decoder has its programs and no weights; `attach` needs the file
     (one line without it) and then decodes as the direct export does."""
     from .conftest import run_module
 
@@ -212,7 +212,7 @@ def test_attach_takes_the_tiny_decoder_file_too(checkpoints, files, bundles, tmp
     run_module("export", "--model", str(checkpoints["tiny"]), "--no-weights", "--tiny-decoder", str(files["taew"][0]),
                *COMMON, "--out", str(out))
     assert not (out / "weights" / "tiny_decoder.safetensors").exists()
-    attach = ["--attach-weights", str(out), "--weights", str(checkpoints["tiny"])]
+    attach = ["attach", str(out), "--weights", str(checkpoints["tiny"])]
     proc = run_cli("export", *attach, check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: this bundle was exported with a tiny decoder (taew2_1.safetensors): give its weights with "

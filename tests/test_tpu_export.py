@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 import runtime.manifest as mf
 from export import sharding
-from export.build import FAMILIES
+from export.bundle_files import FAMILIES
 from runtime import kinds
 from runtime.bundle import partition_spec
 
@@ -292,7 +292,7 @@ def test_runtime_refuses_a_bundle_without_weights(tpu_bundles: dict[str, Path], 
                       check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: bundle {bundle} has no weights attached (exported with --no-weights): "
-                                   f"run `python -m export --attach-weights {bundle} --weights CHECKPOINT` first")
+                                   f"run `python -m export attach {bundle} --weights CHECKPOINT` first")
     assert not (tmp_path / "v.mp4").exists()
 
 
