@@ -78,7 +78,7 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], manifest: mf.Manifest, labe
         m = _KEY.fullmatch(key)
         if not m:
             raise UserError(f"{label}: tensor {key!r} is not an adapter tensor (make adapters with python -m "
-                            "export --lora)")
+                            "export lora)")
         group, name, part = m.groups()
         found.setdefault((group, name), {})[part] = tuple(shape)
     for (group, name), parts in found.items():

@@ -1,6 +1,6 @@
 """Generate a video from a wan-aot SavedModel with TensorFlow alone: what a TF Serving client does.
 
-    python -m export --savedmodel artifacts/tiny --out artifacts/tiny-savedmodel
+    python -m export savedmodel artifacts/tiny --out artifacts/tiny-savedmodel
     python tools/tf_generate.py artifacts/tiny-savedmodel --prompt "a cat playing piano" --out cat.mp4
 
 The flags mean what they mean for `python -m runtime generate` (and `denoise --latents`,
@@ -57,7 +57,7 @@ class SavedModelPipeline:
     def __init__(self, directory: Path) -> None:
         info_path = directory / INFO_FILE
         if not info_path.is_file():
-            raise UserError(f"{directory} has no {INFO_FILE}: pass the directory `python -m export --savedmodel` "
+            raise UserError(f"{directory} has no {INFO_FILE}: pass the directory `python -m export savedmodel` "
                             "wrote")
         try:
             self.info = json.loads(info_path.read_text())
@@ -156,7 +156,7 @@ class SavedModelPipeline:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/tf_generate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("savedmodel", type=Path, metavar="DIR", help="what `python -m export --savedmodel` wrote")
+    p.add_argument("savedmodel", type=Path, metavar="DIR", help="what `python -m export savedmodel` wrote")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--image", type=Path, default=None, help="first frame (image-to-video and TI2V SavedModels)")
