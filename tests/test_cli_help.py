@@ -67,6 +67,19 @@ def test_export_names_only_what_is_missing(tmp_path: Path, args: list[str], miss
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("args, missing", [
+    (["generate", "BUNDLE", "--out", "OUT"], "--prompt is required"),
+    (["encode", "BUNDLE", "--prompt", "a cat"], "--out is required"),
+    (["generate"], "bundle, --prompt and --out are required"),
+])
+def test_runtime_names_only_what_is_missing(tmp_path: Path, args: list[str], missing: str) -> None:
+    """One line, exit 2, as every other bad input: not the command's whole usage (generate's is 50 lines) first."""
+    args = [str(tmp_path / "b") if a == "BUNDLE" else str(tmp_path / "v.mp4") if a == "OUT" else a for a in args]
+    proc = run_cli("runtime", *args, check=False)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"error: {missing}\n", "")
+    assert not (tmp_path / "v.mp4").exists()
+
+
 @pytest.mark.parametrize("command, usage", [("attach", "BUNDLE --weights SOURCE"), ("savedmodel", "BUNDLE --out DIR"),
                                             ("lora", "FILE --bundle BUNDLE --out ADAPTER")])
 def test_each_command_has_its_own_help(capsys: pytest.CaptureFixture, command: str, usage: str) -> None:
