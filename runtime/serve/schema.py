@@ -1,12 +1,12 @@
-"""The create request, `POST /v1/videos`: one table of its fields (FIELDS), read from a JSON or multipart body and
-checked as the CLI checks its flags, into the params of a job.
+"""The create request, `POST /v1/videos`: its document (`body_schema`) and its checks (`parse_request`), from one
+table of its fields, read from a JSON or multipart body into the params of a job, checked as the CLI checks its flags.
 
-The table is the one place a field is defined: its type, limits, enum and description make both the checks a
-request goes through (`parse_request`) and the request body /openapi.json documents (`body_schema`), so the two
-cannot drift apart (the suite runs schemathesis against the live document to hold them to it). What depends on the
-bundle (its names, sizes and durations, the images its kind takes, a second expert's guidance) comes from an Offer,
-read from the manifest before the weights load. A new field is one more Field in FIELDS; the job's params carry it
-under `param`, for the worker to use.
+The table is the one place a field is defined (request_fields.py, of fields.py's Field rows; the loops' own settings
+made from runtime/loop_settings.py): its type, limits, enum and description make both the checks a request goes
+through and the request body /openapi.json documents, so the two cannot drift apart (the suite runs schemathesis
+against the live document to hold them to it). What depends on the bundle (its names, sizes and durations, the images
+its kind takes, a second expert's guidance) comes from an Offer (fields.py), read from the manifest before the weights
+load. The body itself is read by body.py. Their names are importable from here too.
 
 The rules one field cannot state alone are kept beside the schema that states them: `seconds` is one of the
 durations of the request's `size` (`_frames`, `_seconds_schema`), and the images a kind needs
