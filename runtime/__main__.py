@@ -35,9 +35,9 @@ from .cli_inputs import animate_args, loop_args, loras_from_args, magcache_from_
 log = logging.getLogger("runtime")
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     """Every command's flags (runtime/cli_flags.py), with this module's examples first in `--help`."""
-    return cli_flags.parser(__doc__)
+    return cli_flags.parser(__doc__, serve_flags)
 
 
 @dataclass
@@ -419,7 +419,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser(serve_flags=argv[:1] == ["serve"]).parse_args(argv)  # serve's flags read the server's settings
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     log.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     from .cli import exit_code

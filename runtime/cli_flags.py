@@ -121,8 +121,10 @@ class _OneLineParser(argparse.ArgumentParser):
         return super().error(message)
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    """Every command's flags; `description`: the usage examples `--help` shows first."""
+def parser(description: str, serve_flags: bool = True) -> argparse.ArgumentParser:
+    """Every command's flags; `description`: the usage examples `--help` shows first. `serve_flags` False leaves
+    `serve`'s out (their defaults are the server's Settings, whose module imports the web framework: a command other
+    than `serve` need not)."""
     p = argparse.ArgumentParser(prog="python -m runtime", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
@@ -227,7 +229,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", parents=[common], help="serve the OpenAI videos API (POST /v1/videos ...) "
                                                        "with a durable job queue")
     _bundle_arg(s)
-    _serve_args(s)
+    if serve_flags:
+        _serve_args(s)
     return p
 
 
