@@ -200,8 +200,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         step = g.spatial_scale  # nearest-neighbour onto the latent grid
         keep = 1.0 - mask_pixels(reflect(inputs.mask, seg.padded), g.width, g.height)[:, ::step, ::step]
 
-    pipe.start_loading(True, seed, steps, guidance, flow_shift, guidance_2, magcache, prompt, negative_prompt,
-                       g.size, g.frames, sampler, sigmas)
+    pipe.start_loading(s, g, image=True, magcache=magcache, prompt=prompt, negative_prompt=negative_prompt)
     run = pipe.steps_run({}, s)
     total = run * seg.count
     bar = runner.progress_bar(total, progress, "animating")

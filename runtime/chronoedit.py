@@ -139,8 +139,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         size, frames = shape.size, shape.frames
     reason, edit = reasoning_shapes(pipe, k, s.steps, s.sampler, size, frames, magcache)
     for g in (reason, edit):
-        pipe.start_loading(True, seed, steps, guidance, flow_shift, guidance_2, None, prompt, negative_prompt, g.size,
-                           g.frames, sampler, sigmas)
+        pipe.start_loading(s, pipe.shape(g.size, g.frames), image=True, prompt=prompt, negative_prompt=negative_prompt)
     step_done = None
     if on_step is not None:
         def step_done(i: int) -> None:

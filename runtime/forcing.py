@@ -344,8 +344,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     dtype = np.dtype(ml_dtypes.bfloat16) if pipe.manifest.dtype == "bf16" else np.dtype(np.float32)
     run = Run(pipe, sched, s.guidance, block, ar, lay.addnoise, int(fps), s.seed, dtype)
 
-    pipe.start_loading(bool(pil) or source is not None, s.seed, s.steps, s.guidance, s.flow_shift, None, None, prompt,
-                       negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
+    pipe.start_loading(s, pipe.shape(g.size, g.frames), image=bool(pil) or source is not None, prompt=prompt,
+                       negative_prompt=negative_prompt)
     bar = runner.progress_bar(total, progress)
     try:
         embeds = pipe.encode(prompt, negative_prompt, size=g.size, frames=g.frames)

@@ -290,8 +290,9 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     renoise = _renoise_draws(noise, count, g, chunks.stages)
     add_image, add_video, image_range, video_range = run.add_image, run.add_video, run.image_range, run.video_range
 
-    pipe.start_loading(pil is not None or source is not None, s.seed, s.steps, s.guidance, None, None, None, prompt,
-                       negative_prompt, g.size, g.frames, s.sampler, s.sigmas)
+    pipe.start_loading(pipe.settings(s.seed, s.steps, s.guidance, None, None, s.sampler, s.sigmas),
+                       pipe.shape(g.size, g.frames), image=pil is not None or source is not None, prompt=prompt,
+                       negative_prompt=negative_prompt)
     bar = runner.progress_bar(total, progress)
     try:
         embeds = pipe.encode(prompt, negative_prompt, size=g.size, frames=g.frames)

@@ -105,12 +105,17 @@ class HlsWriter:
     writes it, then the playlist naming it; `end()` writes the playlist ended. A batch's first video is the one
     streamed."""
 
-    def __init__(self, put: Callable[[str, bytes], None], fps: int) -> None:
+    def __init__(self, put: Callable[[str, bytes], None], fps: int, open_now: bool = True) -> None:
+        """`open_now`: write the empty playlist at once (a server's job, checked before it was queued: a player may
+        open the stream before its first segment); else with the first segment (a local run, whose settings a loop
+        may still refuse: a refused run then writes nothing)."""
         self.put = put
         self.fps = check_fps(fps)
         self.playlist = Playlist()
         self.frames = 0
-        self.put(PLAYLIST, self.playlist.text().encode())  # a player may open the stream before its first segment
+        self.opened = open_now
+        if open_now:
+            self.put(PLAYLIST, self.playlist.text().encode())
 
     def add(self, frames: np.ndarray) -> None:
         frames = np.asarray(frames)
@@ -124,24 +129,32 @@ class HlsWriter:
         self.playlist.durations.append(len(frames) / self.fps)
         self.put(PLAYLIST, self.playlist.text().encode())
 
-    def end(self) -> None:
-        if not self.playlist.ended:
+    def end(self) -> bool:
+        """End the stream (its playlist says so); whether there is one (a stream never opened stays unwritten)."""
+        if not self.playlist.ended and (self.opened or self.playlist.durations):
             self.playlist.ended = True
             self.put(PLAYLIST, self.playlist.text().encode())
+        return self.playlist.ended
 
 
 def directory_sink(root: str | os.PathLike) -> Callable[[str, bytes], None]:
-    """`put` for a stream in directory `root` (made, with its stream/ folder, if missing): each file written under a
-    temporary name, then renamed, so a player never reads one half written."""
+    """`put` for a stream in directory `root` (made, with its stream/ folder, when the first file is written): each
+    file written under a temporary name, then renamed, so a player never reads one half written. UserError now for a
+    `root` that cannot be a directory made there (a file, or under one; a parent not writable)."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise UserError(f"--stream {root} is a file: give a directory (made if missing) for the playlist and segments")
-    try:
-        (root / "stream").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--stream {root}: cannot make the directory ({e.strerror})") from None
+    parent = root
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--stream {root}: cannot make the directory ({parent} is not a writable directory)")
 
     def put(name: str, data: bytes) -> None:
+        try:
+            (root / "stream").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--stream {root}: cannot make the directory ({e.strerror})") from None
         with atomic_path(root / name) as tmp:
             tmp.write_bytes(data)
 

@@ -381,21 +381,19 @@ class Pipeline:
         decoding.unload_before(self.bundle, stage)
 
     # -- a run ---------------------------------------------------------------------------------------------------
-    def start_loading(self, image: bool = False, seed: int = 0, steps: int | None = None,
-                      guidance: float | None = None, flow_shift: float | None = None, guidance_2: float | None = None,
+    def start_loading(self, s: DenoiseSettings | None = None, g: mf.Geometry | None = None, *, image: bool = False,
                       magcache: MagCache | None = None, prompt: str | Sequence[str] | None = None,
-                      negative_prompt: str | Sequence[str] = "", size: Size = None, frames: int | None = None,
-                      sampler: str | None = None, sigmas: Sequence[float] | None = None,
-                      reference_images: int | None = None) -> None:
+                      negative_prompt: str | Sequence[str] = "") -> None:
         """Start loading, in the background, the stages a run with these settings uses before its first step
         (the denoise programs it runs, the image and video encoders only with `image` true: a run with an image or
         a video), so that the DiT's weights are read while the prompt is encoded; what `generate` does first. With
         the `prompt` (and `negative_prompt`), the cross-attention programs for its length (`text_rows`); without,
         the whole text's. The VAE decoder loads when it is needed: in the background it would compete with the
-        denoising steps for the cores (measured: step 1 done 4 s later on 2 cores). The programs are those of shape
-        `size` x `frames` (with `reference_images`, VACE). Raises UserError for bad settings, before any work."""
-        s = self.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
-        g = self.shape(size, frames, reference_images)
+        denoising steps for the cores (measured: step 1 done 4 s later on 2 cores). `s`: the run's settings (the
+        bundle's defaults if None); the programs are those of shape `g` (the default shape if None). Raises UserError
+        for a sampler the bundle's programs cannot run, before any work."""
+        s = self.settings() if s is None else s
+        g = self.geometry if g is None else g
         plan = s.plan(self.scheduler_config)
         denoising = self.step_programs(s.steps, plan.timesteps, s, magcache, g)
         # a sampler the bundle's programs cannot run fails before any work
@@ -463,26 +461,23 @@ class Pipeline:
 
     def _streamed(self, stream: str | Path, loop: Callable[..., np.ndarray], prompt: Any, negative_prompt: Any,
                   *args: Any, **kwargs: Any) -> np.ndarray:
-        """The loop with its frames written to an HLS stream in directory `stream` as they come. The stream is opened
-        on the first frames, after every setting of the run was checked: a refused run leaves nothing behind."""
+        """The loop with its frames written to an HLS stream in directory `stream` as they come. The stream is written
+        from the first frames on, after every setting of the run was checked: a refused run leaves nothing behind."""
         from . import hls
 
         fps = kwargs.get("fps") or self.manifest.defaults.fps
-        writer: list[Any] = []
+        writer = hls.HlsWriter(hls.directory_sink(stream), fps, open_now=False)
         given = kwargs.pop("on_frames", None)
 
         def on_frames(frames: np.ndarray) -> None:
-            if not writer:
-                writer.append(hls.HlsWriter(hls.directory_sink(stream), fps))
-            writer[0].add(frames)
+            writer.add(frames)
             if given is not None:
                 given(frames)
 
         try:
             return loop(self, prompt, negative_prompt, *args, on_frames=on_frames, **kwargs)
         finally:
-            if writer:
-                writer[0].end()  # a failed run's stream ends where it stopped
+            writer.end()  # a failed run's stream ends where it stopped; a refused run's was never written
 
     def edit_image(self, image: Any, prompt: str, negative_prompt: str = "", seed: int = 0,
                    steps: int | None = None, guidance: float | None = None, temporal_reasoning_steps: int = 0,

@@ -209,8 +209,8 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
         pipe.shape_for_videos(size, frames, *((media["video"], media["references"]) if media else ()))
     size, frames = g.size, g.frames
     s = pipe.settings(seed, steps, guidance, flow_shift, guidance_2, sampler, sigmas)
-    pipe.start_loading(image is not None or media is not None, seed, steps, guidance, flow_shift, guidance_2,
-                       magcache, prompt, negative_prompt, size, frames, sampler, sigmas, g.reference_images)
+    pipe.start_loading(s, g, image=image is not None or media is not None, magcache=magcache, prompt=prompt,
+                       negative_prompt=negative_prompt)
     try:
         embeds = pipe.encode(prompt, negative_prompt, image, last_image, size, frames,
                              **({} if media is None else {"video": media["video"], "mask": media["mask"],

@@ -118,6 +118,39 @@ def test_image_and_video_to_video_match_diffusers(pipe, reference) -> None:
     assert 0 < np.abs(noised - ours).max()
 
 
+def test_timestep_scale_1_feeds_the_helios_dit_sigma(helios: tuple[Path, Path], reference, tmp_path: Path) -> None:
+    """A Helios bundle whose defaults say timestep_scale=1 (a checkpoint trained on t = sigma) is fed sigma x 1 in
+    every chunk's steps, as every loop is (runtime/steps.py): two chunks' frames within 1e-4 of HeliosPipeline whose
+    transformer is called with t / 1000, and not those of the released convention; export takes the key for a
+    Helios model."""
+    import dataclasses
+    import shutil
+
+    import runtime
+    from export.build import defaults_for
+    from runtime import kinds
+
+    from .test_bundle_checks import _rewrite_manifest
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(helios[1], bundle)
+    _rewrite_manifest(bundle, lambda m: m["defaults"].update(timestep_scale=1.0))
+    pipe = runtime.load(bundle)
+    noise = _noise(2, seed=4)
+    ours = _ours(pipe, noise, 18)
+    forward = reference.transformer.forward
+    reference.transformer.forward = lambda *a, timestep, **k: forward(*a, timestep=timestep / 1000, **k)
+    try:
+        ref = _diffusers(reference, noise, 18)
+    finally:
+        del reference.transformer.forward
+    assert ours.shape == ref.shape and np.abs(ours - ref).max() < TOL
+    assert np.abs(ours - _ours(runtime.load(helios[1]), noise, 18)).max() > 100 * TOL
+    base = pipe.manifest.defaults
+    assert defaults_for(kinds.get("helios"), pipe.scheduler_config, dataclasses.replace(base, timestep_scale=1000.0),
+                        {"timestep_scale": 1.0}).timestep_scale == 1.0
+
+
 def test_helios_bad_input_is_one_line(pipe, helios: tuple[Path, Path], tmp_path: Path) -> None:
     """Settings Helios has no use for, a sampler its scheduler lacks, a video shorter than a chunk: one line each."""
     from runtime.errors import UserError

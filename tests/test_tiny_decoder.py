@@ -224,3 +224,37 @@ def test_attach_takes_the_tiny_decoder_file_too(checkpoints, files, bundles, tmp
     latents = np.random.default_rng(5).standard_normal((1, 16, 3, 4, 8)).astype(np.float32)
     assert np.abs(runtime.load(out).decode(latents, "tiny") - runtime.load(bundles["taew"]).decode(latents, "tiny")
                   ).max() <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def loop_bundles(files, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A bundle with the taew decoder for each loop of its own: diffusion forcing, Wan-Animate, Helios."""
+    root = tmp_path_factory.mktemp("tiny-decoder-loops")
+    frames = {"tiny-skyreels-df": "9", "tiny-animate": "9", "tiny-helios": "9"}
+    for model, n in frames.items():
+        run_module("export", "--model", model, "--tiny-decoder", str(files["taew"][0]), "--resolution", "64x32",
+                   "--frames", n, "--dtype", "fp32", "--max-sequence-length", "16", "-q", "--out", str(root / model))
+    return {model: root / model for model in frames}
+
+
+def test_every_loop_previews_through_the_tiny_decoder(loop_bundles) -> None:
+    """The step runner previews every loop's steps through the bundle's tiny decoder (runtime/steps.py): diffusion
+    forcing's rows, Wan-Animate's segments' steps and Helios' chunks' steps give real frames at the video's size (the
+    linear map's are at the latents' 8x4)."""
+    from PIL import Image
+
+    from .conftest import test_image
+
+    def frames(n: int, w: int, h: int, seed: int) -> list[Image.Image]:
+        return [test_image(w, h, seed=seed + i) for i in range(n)]
+
+    runs = {"tiny-skyreels-df": dict(num_frames=9, steps=2),
+            "tiny-animate": dict(image=test_image(40, 56, seed=3), pose_video=frames(9, 64, 32, 1),
+                                 face_video=frames(9, 32, 32, 2), steps=2),
+            "tiny-helios": dict(num_frames=9, steps=2)}
+    for model, kw in runs.items():
+        pipe = runtime.load(loop_bundles[model])
+        shown: list[np.ndarray] = []
+        out = pipe.generate("a fox", progress=False, on_preview=shown.append, **kw)
+        assert shown and all(p.shape == (32, 64, 3) and p.dtype == np.uint8 for p in shown), (model, len(shown))
+        assert out.shape[2:] == (32, 64, 3), model

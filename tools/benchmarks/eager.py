@@ -91,7 +91,10 @@ def child_runtime(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     prompts = {"prompt": PROMPT, "negative_prompt": NEGATIVE}  # as generate: the programs for their length load
     if "prompt" not in inspect.signature(pipe.start_loading).parameters:  # a --baseline checkout may predate that
         prompts = {}
-    pipe.start_loading(steps=a["steps"], guidance=GUIDANCE, **prompts)
+    if "s" in inspect.signature(pipe.start_loading).parameters:  # the settings resolved once, as the loops pass them
+        pipe.start_loading(pipe.settings(steps=a["steps"], guidance=GUIDANCE), **prompts)
+    else:  # a --baseline checkout from before that
+        pipe.start_loading(steps=a["steps"], guidance=GUIDANCE, **prompts)
     _run_pipeline(pipe, a, spawned, marks, low_memory=True)
     return {**marks, "rss_gb": peak_rss_gb()}
 
