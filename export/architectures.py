@@ -216,3 +216,17 @@ ARCHITECTURES.update({
         vae={}, text_encoder=_UMT5_XXL,
         scheduler=dict(_class_name="FlowMapEulerDiscreteScheduler", num_train_timesteps=1000, shift=5.0)),
 })
+
+# AnyFlow-FAR (nvidia/AnyFlow-FAR-Wan2.1-1.3B-Diffusers, an AnyFlowFARPipeline): AnyFlowFARTransformer3DModel at Wan 2.1
+# T2V-1.3B's widths (12 heads of 128, FFN 8960, 30 layers), the rest the class's defaults, those of the released
+# checkpoints: patch (1, 2, 2), the compressed context's (1, 4, 4), full_chunk_limit 3, chunk_partition
+# (1, 3, 3, 3, 3, 3, 3, 2) for 81 frames; FlowMapEulerDiscreteScheduler at the Wan 2.1 shift of 5.
+ARCHITECTURES["anyflow-far-wan2.1-1.3b"] = dict(
+    pipeline="AnyFlowFARPipeline", hub_id="nvidia/AnyFlow-FAR-Wan2.1-1.3B-Diffusers",
+    transformer=dict(patch_size=[1, 2, 2], compressed_patch_size=[1, 4, 4], full_chunk_limit=3,
+                     num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+                     freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, eps=1e-6, image_dim=None,
+                     rope_max_seq_len=1024, gate_value=0.25, deltatime_type="r",
+                     chunk_partition=[1, 3, 3, 3, 3, 3, 3, 2]),
+    vae={}, text_encoder=_UMT5_XXL,
+    scheduler=dict(_class_name="FlowMapEulerDiscreteScheduler", num_train_timesteps=1000, shift=5.0))

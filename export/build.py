@@ -38,7 +38,7 @@ from runtime.manifest import (
 from runtime.manifest import TinyDecoder as TinyDecoderInfo
 from runtime.programs import Program
 
-from . import cross_kv, image_encoder, lora, sharding, text_encoder
+from . import cross_kv, far, image_encoder, lora, sharding, text_encoder
 from . import vae as vae_stage
 from .attention import AttentionConfig
 from .bundle_files import FAMILIES, BundleFiles, fresh_tmp, replace_dir, write_tokenizer
@@ -270,6 +270,15 @@ def _dit_expert(b: _Build, group: str, todo: Todo) -> None:
             raise UserError(f"{b.src.id}: {group} does not have the same tensors as {first.weights}")
         for p, _ in todo:
             programs_[p.name] = dataclasses.replace(programs_[p.replace(expert=0).name], weights=group)
+        return
+    if b.kind.far:  # AnyFlow-FAR: cross_kv, then the chunk step and the KV cache write (export/far.py)
+        for p, _ in todo:
+            if p.base == programs.CROSS_KV:
+                b.files.add_program(p.name, group, cross_kv.build(ex, b.model_dtype), kv_inputs(b.kind, b.geo, None),
+                                    ["kv"])
+        for g in {g for p, g in todo if p.base != programs.CROSS_KV}:
+            far.export_programs(ex, g, b.src.transformer_config, b.order, b.model_dtype, b.files,
+                                [p for p, pg in todo if pg == g and p.base != programs.CROSS_KV], b.s.target.mesh)
         return
     todo = sorted(todo, key=lambda pg: DIT_ORDER.index(pg[0].base))
     L = b.geo.max_sequence_length

@@ -138,6 +138,8 @@ def transformer_class(kind: Kind) -> Any:
         return diffusers.HeliosTransformer3DModel
     if kind.dit == "anyflow":
         return diffusers.AnyFlowTransformer3DModel
+    if kind.dit == "anyflow-far":
+        return diffusers.AnyFlowFARTransformer3DModel
     if kind.dit == "chronoedit":
         return diffusers.ChronoEditTransformer3DModel
     if kind.animate:
@@ -234,6 +236,7 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
                                                       "HeliosPyramidPipeline": "helios_transformer",
                                                       "ChronoEditPipeline": "chronoedit_transformer",
                                                       "AnyFlowPipeline": "anyflow_transformer",
+                                                      "AnyFlowFARPipeline": "anyflow_far_transformer",
                                                       **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
@@ -345,8 +348,9 @@ PIPELINES.update({name: "skyreels" for name in SKYREELS_PIPELINES})
 PIPELINES.update(HeliosPipeline="helios", HeliosPyramidPipeline="helios")
 # ChronoEdit (runtime/kinds.py's chronoedit row; runtime/chronoedit.py): Wan 2.1 I2V with its own RoPE, an image edit.
 PIPELINES.update(ChronoEditPipeline="chronoedit")
-# AnyFlow (runtime/kinds.py's anyflow row): a flow-map Wan 2.1 T2V; AnyFlowFARPipeline (causal chunks) is not one.
-PIPELINES.update(AnyFlowPipeline="anyflow")
+# AnyFlow (runtime/kinds.py's anyflow row): a flow-map Wan 2.1 T2V; AnyFlowFARPipeline (its causal chunks with a KV
+# cache: the anyflow-far row, runtime/far.py) is a kind of its own.
+PIPELINES.update(AnyFlowPipeline="anyflow", AnyFlowFARPipeline="anyflow-far")
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
@@ -357,14 +361,14 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
         return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
     if PIPELINES[pipeline] == "helios":
         return detect_helios(pipeline, two_experts or image_encoder, options or {}, scheduler or {}, where)
-    if PIPELINES[pipeline] == "anyflow":
+    if PIPELINES[pipeline] in ("anyflow", "anyflow-far"):
         if two_experts or image_encoder:
             raise UserError(f"{where}: AnyFlow with two experts or an image encoder is not a configuration wan-aot "
                             "knows (nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers has one transformer and no image encoder)")
         if (scheduler or {}).get("_class_name", "FlowMapEulerDiscreteScheduler") != "FlowMapEulerDiscreteScheduler":
             raise UserError(f"{where}: AnyFlow's transformer predicts mean velocities, which only "
                             f"FlowMapEulerDiscreteScheduler steps; this one has {(scheduler or {}).get('_class_name')}")
-        return "anyflow"
+        return PIPELINES[pipeline]
     if PIPELINES[pipeline] == "chronoedit" or transformer.get("_class_name") == "ChronoEditTransformer3DModel":
         if two_experts or not image_encoder:  # (its RoPE is the transformer class's: either name says ChronoEdit)
             raise UserError(f"{where}: ChronoEdit with two experts or without a CLIP image_encoder is not a "
@@ -464,6 +468,7 @@ def check_consistent(src: Source) -> None:
 def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
     """The complete diffusers config (defaults filled in) of a component built from `args`."""
     from diffusers import (
+        AnyFlowFARTransformer3DModel,
         AnyFlowTransformer3DModel,
         AutoencoderKLWan,
         ChronoEditTransformer3DModel,
@@ -478,6 +483,7 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
            "animate_transformer": WanAnimateTransformer3DModel, "skyreels_transformer": SkyReelsV2Transformer3DModel,
            "helios_transformer": HeliosTransformer3DModel,
            "chronoedit_transformer": ChronoEditTransformer3DModel, "anyflow_transformer": AnyFlowTransformer3DModel,
+           "anyflow_far_transformer": AnyFlowFARTransformer3DModel,
            "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}

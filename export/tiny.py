@@ -151,6 +151,15 @@ VARIANTS["tiny-anyflow"] = dict(
                      out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
                      rope_max_seq_len=32, gate_value=0.25, deltatime_type="r"),
     vae=_VAE, text_encoder=_UMT5, pipeline="anyflow", scheduler=dict(shift=5.0))
+# AnyFlow-FAR (nvidia/AnyFlow-FAR-Wan2.1-1.3B-Diffusers) in miniature: AnyFlowFARTransformer3DModel with a full-chunk
+# limit of 2 and chunks (1, 2, 2, 2) (25 frames = 7 latent frames), so that a tiny video already has chunks of two
+# sizes and compressed context (chunk 0 is compressed from chunk 2 on).
+VARIANTS["tiny-anyflow-far"] = dict(
+    transformer=dict(patch_size=(1, 2, 2), compressed_patch_size=(1, 4, 4), full_chunk_limit=2,
+                     num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32,
+                     freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
+                     gate_value=0.25, deltatime_type="r", chunk_partition=(1, 2, 2, 2)),
+    vae=_VAE, text_encoder=_UMT5, pipeline="anyflow-far", scheduler=dict(shift=5.0))
 
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
 
@@ -231,8 +240,10 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
 
     helios = pipeline in ("helios", "helios-pyramid")
     from diffusers import AnyFlowPipeline, AnyFlowTransformer3DModel, FlowMapEulerDiscreteScheduler
+    from diffusers import AnyFlowFARPipeline, AnyFlowFARTransformer3DModel
 
-    dit = {"anyflow": AnyFlowTransformer3DModel, "vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,
+    dit = {"anyflow-far": AnyFlowFARTransformer3DModel,
+           "anyflow": AnyFlowTransformer3DModel, "vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,
            "helios-pyramid": HeliosTransformer3DModel, "chronoedit": ChronoEditTransformer3DModel,
            **dict.fromkeys(SKYREELS_PIPELINES, SkyReelsV2Transformer3DModel)}.get(pipeline, WanTransformer3DModel)
     torch.manual_seed(1)
@@ -241,7 +252,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
     vae = AutoencoderKLWan(**spec["vae"]).eval()
     helios_scheduler = HeliosDMDScheduler if spec.get("dmd") else HeliosScheduler
     scheduler = helios_scheduler(**spec["scheduler"]) if helios else \
-        FlowMapEulerDiscreteScheduler(**spec["scheduler"]) if pipeline == "anyflow" else UniPCMultistepScheduler(
+        FlowMapEulerDiscreteScheduler(**spec["scheduler"]) if pipeline in ("anyflow", "anyflow-far") else \
+        UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=spec["flow_shift"], solver_order=2, solver_type="bh2", lower_order_final=True,
         final_sigmas_type="zero",
@@ -265,6 +277,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         return HeliosPipeline(**parts)
     if pipeline == "anyflow":
         return AnyFlowPipeline(**parts)
+    if pipeline == "anyflow-far":
+        return AnyFlowFARPipeline(**parts)
     if pipeline == "helios-pyramid":
         return HeliosPyramidPipeline(**parts, **spec.get("options", {}))
     if pipeline == "lucy":

@@ -379,8 +379,9 @@ class Bundle:
         """Compile a program (or its `part`, see `program`) for this mesh without weights or inputs (fills the
         persistent compilation cache); returns the jax Compiled object (its HLO and cost analysis are what
         `tools/bench.py roofline` reads)."""
-        return jax.jit(self.program(name, part).call).lower(*self._abstract(name, part)).compile(
-            self.compiler_options(name))
+        donate = () if part else signatures.donated(name, kinds.get(self.manifest.kind), self.manifest.programs[name])
+        return jax.jit(self.program(name, part).call, donate_argnums=donate).lower(
+            *self._abstract(name, part)).compile(self.compiler_options(name))
 
     def _abstract(self, name: str, part: str = "") -> list[Any]:
         """The weights and inputs of program `name` (or its `part`) as shapes, dtypes and shardings."""

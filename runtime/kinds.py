@@ -38,6 +38,8 @@ AnyFlow (NVIDIA; AnyFlowTransformer3DModel: Wan 2.1's DiT with a second time inp
 
     anyflow     AnyFlowPipeline (text, or text + the video's first  nvidia/AnyFlow-Wan2.1-T2V-14B-Diffusers
                 frames to continue; any step count, 1 to 16)
+    anyflow-far AnyFlowFARPipeline (causal chunks, each attending   nvidia/AnyFlow-FAR-Wan2.1-1.3B-Diffusers
+                to a KV cache of the chunks before; runtime/far.py)
 
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
@@ -76,6 +78,20 @@ Conditioning modes (how the image enters the denoising loop):
   timestep `r_timestep` beside its timestep (the next sigma x 1000 for the mean velocity, the timestep itself for
   plain Euler); the sampler is FlowMapEulerDiscreteScheduler's z_r = z_t - (sigma_t - sigma_r) u (runtime/samplers.py
   "flowmap"). Without a video, `condition` is zeros and `mask` ones: the same program does text-to-video.
+- "far": a chunk of AnyFlow-FAR (AnyFlowFARPipeline), its flow-map step as "flowmap"'s (`r_timestep` the chunk's
+  target timestep) attending to itself and to the KV cache of the chunks before it: `full_cache` (the last chunks at
+  patch_size) and `compressed_cache` (older ones at compressed_patch_size), each (layers, 2, B', heads, tokens,
+  head_dim), B' = 2B with CFG (both halves cached), and `frame_pos`, each cache slot's and the chunk's frames' position
+  (-1: empty). After a chunk, the `cache_step` program runs the DiT on the clean video so far (AnyFlowFARPipeline's
+  encode_kv_cache, mode "cache", timestep 0) and writes the cache, which it takes and returns (donated).
+  The count of cached chunks is data, not one program per chunk position: every chunk runs one step program and one
+  cache program. The chunk is padded to the partition's largest chunk (the `state` of max(chunk_partition) frames),
+  the cache to the most tokens any chunk reads, and which slot holds which frame is `frame_pos` (the cache step's
+  `frame_chunk`: its block-causal mask), so the shapes do not depend on the chunk: one compile, and a bundle's size
+  independent of the video's chunk count. What the padding costs is masked work: a chunk of 1 frame (the first) runs
+  the step of max(chunk_partition); the cache step the tokens of its largest prefix (diffusers re-encodes the whole
+  prefix each chunk too). The query padding of diffusers' flex attention (unmasked zero keys up to a multiple of 128
+  of the chunk's tokens) is reproduced exactly, as that many zero scores in the softmax. The loop is runtime/far.py.
 """
 
 from __future__ import annotations
@@ -123,7 +139,7 @@ class Kind:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
         return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
                 "animate": "video", "video_concat": "video", "forcing": "video", "helios": "video",
-                "flowmap": "video"}[self.conditioning]
+                "flowmap": "video", "far": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -147,7 +163,8 @@ class Kind:
         return {"none": (), "concat": ("condition",), "first_frame": ("condition", "mask"),
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
                 "video_concat": ("condition",), "forcing": FORCING_INPUTS,
-                "helios": ("history", "cfg_mode"), "flowmap": ("condition", "mask", "r_timestep")}[self.conditioning]
+                "helios": ("history", "cfg_mode"), "flowmap": ("condition", "mask", "r_timestep"),
+                "far": FAR_INPUTS}[self.conditioning]
 
     @property
     def channel_condition(self) -> str:
@@ -187,7 +204,13 @@ class Kind:
     def flow_map(self) -> bool:
         """AnyFlow: the DiT takes the step's target timestep r too, and predicts the mean velocity from t to r
         (the "flowmap" sampler; "euler" is the same update with r = t, diffusers' use_mean_velocity=False)."""
-        return self.conditioning == "flowmap"
+        return self.conditioning in ("flowmap", "far")
+
+    @property
+    def far(self) -> bool:
+        """AnyFlow-FAR: a video in causal chunks, each attending to a KV cache of the chunks before it
+        (runtime/far.py)."""
+        return self.conditioning == "far"
 
     @property
     def any_length(self) -> bool:
@@ -207,6 +230,8 @@ class Kind:
         (runtime/chronoedit.py: one shape, or temporal reasoning over two)."""
         if self.chronoedit:
             return "chronoedit"
+        if self.far:
+            return "far"
         return "animate" if self.animate else "forcing" if self.forcing else "helios" if self.helios else "segment"
 
     @property
@@ -262,6 +287,8 @@ class Kind:
         rows = [None, *(short_text_lengths(L) if short_prompts else ())]
         out += [Program.cross_kv(e, t) for e in range(self.experts) for t in rows]
         out += [Program.denoise(e, v) for e in range(self.experts) for v in self.variants]
+        if self.far:  # the KV cache's write after each chunk, with CFG (both halves) and without
+            out += [Program(programs.CACHE_STEP, variant=v) for v in self.variants]
         for decoder in DECODERS.values() if tiny_decoder else (DECODERS["full"],):
             out += [Program(decoder, chunk=c) for c in programs.CHUNKS[: 2 if latent_frames > 1 else 1]]
         return tuple(out)
@@ -281,6 +308,11 @@ STEP_INPUTS = ("r_timestep",)
 # noise of re-noised prefix frames (B, z, T, h, w) and each frame's share of it (T,), each frame's update flag (T,),
 # the causal block size (int32; <= 1: full attention) and the frame rate (int32; the DiT's fps embedding).
 FORCING_INPUTS = ("noise", "blend", "update", "causal_block", "fps")
+
+# AnyFlow-FAR's step inputs after (state, kv, timestep, guidance, row) (module docstring, "far"): the KV cache, each
+# cache slot's and chunk frame's position, the chunk's target timestep. Its cache_step's inputs and outputs:
+# programs.CACHE_STEP_INPUTS / CACHE_STEP_OUTPUTS.
+FAR_INPUTS = ("full_cache", "compressed_cache", "frame_pos", "r_timestep")
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("t2v", "Wan 2.1 text-to-video", experts=1, image="none", last_image=False, image_encoder=False,
@@ -339,6 +371,12 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("anyflow", "AnyFlow text-to-video (any step count; continues a video's first frames)", experts=1,
          image="none", last_image=False, image_encoder=False, conditioning="flowmap", steps=4, guidance=1.0,
          video="prefix", dit="anyflow"),
+    # AnyFlow-FAR (NVIDIA; diffusers' AnyFlowFARPipeline): AnyFlow's flow map made causal, the video in chunks
+    # (chunk_partition), each attending to a KV cache of those before (runtime/far.py); text, an image (the first
+    # chunk's context) or a video's frames as context. Run defaults as AnyFlow's: 4 steps, no guidance.
+    Kind("anyflow-far", "AnyFlow-FAR (causal chunks with a KV cache; text, image or video context)", experts=1,
+         image="optional", last_image=False, image_encoder=False, conditioning="far", steps=4, guidance=1.0,
+         video="context", dit="anyflow-far"),
 )}
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import adapters, animate, chronoedit, conditioning, decoding, forcing, front, helios, images, kinds, segment
+from . import adapters, animate, chronoedit, conditioning, decoding, far, forcing, front, helios, images, kinds, segment
 from . import manifest as mf
 from . import settings as st
 from . import shapes as sh
@@ -49,6 +49,7 @@ LOOPS: dict[str, Callable[..., np.ndarray]] = {
     "forcing": forcing.generate,
     "helios": helios.generate,
     "chronoedit": chronoedit.generate,
+    "far": far.generate,
 }
 
 

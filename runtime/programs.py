@@ -11,6 +11,7 @@ rows, the pyramid stage, the shape) and asks for its `name`; a name read from a 
     face_motion[@shape]                       Wan-Animate's face video to motion vectors
     cross_kv[_<expert+1>][_t<rows>]           an expert's cross-attention keys and values of a prompt (a short one's)
     denoise_step[_<expert+1>][_<variant>][_stage<k>][@shape]   a step (DENOISE_VARIANTS; a pyramid's lower stage k)
+    cache_step[_cond][@shape]                 AnyFlow-FAR's KV cache write after a chunk (CFG's both halves, or not)
     vae_encode_<chunk>[@size], vae_decode_<chunk>[@size], tiny_decode_<chunk>[@size]   chunk "first" or "next"
 
 The shape suffix (manifest.shape_suffix) is "@<W>x<H>x<F>[r<R>]" for the programs of a non-default video shape,
@@ -30,6 +31,11 @@ DENOISE = "denoise_step"
 VAE_ENCODE = "vae_encode"
 VAE_DECODE = "vae_decode"
 TINY_DECODE = "tiny_decode"
+CACHE_STEP = "cache_step"  # AnyFlow-FAR's KV cache write (variant "cfg" or "cond", as the denoise step's)
+# Its inputs and outputs in call order: the clean latents so far at their cache slots, each slot's frame position and
+# chunk (-1: empty), the prompt's cross-attention keys and values; the cache, taken and returned (donated).
+CACHE_STEP_INPUTS = ("latents", "frame_pos", "frame_chunk", "kv", "full_cache", "compressed_cache")
+CACHE_STEP_OUTPUTS = ("full_cache", "compressed_cache")
 CHUNKED = (VAE_ENCODE, VAE_DECODE, TINY_DECODE)  # programs per chunk of frames: "<base>_first", "<base>_next"
 CHUNKS = ("first", "next")
 
@@ -37,10 +43,11 @@ DIT_GROUPS = ("transformer", "transformer_2")  # the DiT experts' weight groups,
 
 # What a program's tensor shapes depend on (kinds.shape_scope): "" nothing, "size" width x height, "video" the shape.
 SCOPES = {TEXT_ENCODER: "", IMAGE_ENCODER: "", CROSS_KV: "", FACE_MOTION: "video", DENOISE: "video",
-          VAE_ENCODE: "size", VAE_DECODE: "size", TINY_DECODE: "size"}
+          VAE_ENCODE: "size", VAE_DECODE: "size", TINY_DECODE: "size", CACHE_STEP: "video"}
 # The stage of a generation (kinds.PIPELINE_STAGES) each program runs in.
 PIPELINE_STAGE = {TEXT_ENCODER: "encode", IMAGE_ENCODER: "encode", VAE_ENCODE: "encode", CROSS_KV: "denoise",
-                  FACE_MOTION: "denoise", DENOISE: "denoise", VAE_DECODE: "decode", TINY_DECODE: "decode"}
+                  FACE_MOTION: "denoise", DENOISE: "denoise", VAE_DECODE: "decode", TINY_DECODE: "decode",
+                  CACHE_STEP: "denoise"}
 
 SHAPE_SEPARATOR = "@"  # a program of a bundle's other shapes: "<program>@<W>x<H>x<F>" or "<program>@<W>x<H>"
 STAGE_SUFFIX = "_stage"  # a Helios pyramid's lower stages' DiT programs: "<program>_stage<k>" (runtime/helios.py)
@@ -93,7 +100,7 @@ class Program:
     def __post_init__(self) -> None:
         if self.base not in SCOPES:
             raise ValueError(f"unknown program {self.base!r}")
-        if self.base == DENOISE and self.variant not in DENOISE_VARIANTS:
+        if self.base in (DENOISE, CACHE_STEP) and self.variant not in DENOISE_VARIANTS:
             raise ValueError(f"unknown denoise variant {self.variant!r}")
         if (self.base in CHUNKED) != (self.chunk in CHUNKS):
             raise ValueError(f"{self.base}: chunk {self.chunk!r}")
@@ -117,6 +124,8 @@ class Program:
         elif self.base == DENOISE:
             stage = f"{STAGE_SUFFIX}{self.stage}" if self.stage is not None else ""
             body = DENOISE + expert + DENOISE_VARIANTS[self.variant].suffix + stage
+        elif self.base == CACHE_STEP:
+            body = CACHE_STEP + DENOISE_VARIANTS[self.variant].suffix
         elif self.base in CHUNKED:
             body = f"{self.base}_{self.chunk}"
         else:
@@ -135,7 +144,7 @@ class Program:
     @property
     def group(self) -> str:
         """The weight group (the component) whose weights it takes."""
-        if self.base in (CROSS_KV, DENOISE):
+        if self.base in (CROSS_KV, DENOISE, CACHE_STEP):
             return DIT_GROUPS[self.expert]
         return {FACE_MOTION: "transformer", VAE_ENCODE: "vae", VAE_DECODE: "vae",
                 TINY_DECODE: "tiny_decoder"}.get(self.base, self.base)
@@ -157,6 +166,9 @@ class Program:
         if body.startswith(TEXT_ENCODER + "_"):
             rows = _count(body.removeprefix(TEXT_ENCODER + "_"))
             return cls(TEXT_ENCODER, text_rows=rows, shape=shape) if rows is not None else None
+        for v in ("cfg", "cond"):
+            if body == CACHE_STEP + DENOISE_VARIANTS[v].suffix:
+                return cls(CACHE_STEP, variant=v, shape=shape)
         for base in CHUNKED:
             for chunk in CHUNKS:
                 if body == f"{base}_{chunk}":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import kinds
+from . import kinds, programs
 from . import manifest as mf
 from .errors import BundleError
 from .kinds import Kind
@@ -44,6 +44,8 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
             head = tuple(n for n in head if n != "kv")
         order = CallOrder(head + (("residual",) if variant.residual == "in" else ()),
                           ("state", "finite") + (("residual",) if variant.residual == "out" else ()))
+    elif name.partition(kinds.SHAPE_SEPARATOR)[0] in (programs.CACHE_STEP, programs.CACHE_STEP + "_cond"):
+        order = CallOrder(programs.CACHE_STEP_INPUTS, programs.CACHE_STEP_OUTPUTS)  # AnyFlow-FAR's KV cache write
     elif name.startswith("vae_encode_"):
         order = CallOrder(("pixels", *caches_in), ("latents", *caches_out))
     elif name.startswith(("vae_decode_", "tiny_decode_")):
@@ -54,6 +56,15 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
         raise BundleError(f"program {name!r} lists inputs {sorted(spec.inputs)} and outputs {sorted(spec.outputs)}, "
                           f"not the {kind.name} layout: re-export the bundle")
     return order
+
+
+def donated(name: str, kind: Kind, spec: mf.ProgramSpec) -> tuple[int, ...]:
+    """The positions (after the weights, argument 0) of program `name`'s inputs that it returns updated and whose
+    buffers it may reuse: AnyFlow-FAR's KV cache, which the cache write takes and returns (the caller drops what it
+    passed)."""
+    order = call_order(name, kind, spec)
+    return tuple(1 + i for i, n in enumerate(order.inputs)
+                 if n in programs.CACHE_STEP_OUTPUTS and n in order.outputs and spec.inputs[n] == spec.outputs[n])
 
 
 def _caches(names: dict[str, mf.TensorSpec]) -> tuple[str, ...]:
