@@ -150,7 +150,8 @@ def generate(args: argparse.Namespace) -> int:
     if p.stream is not None:  # process 0 writes it, as the video
         from .hls import HlsWriter
 
-        writer = HlsWriter(p.stream, pipe.manifest.defaults.fps if args.fps is None else args.fps)
+        # written from the first frames on: a run its loop refuses leaves no stream behind
+        writer = HlsWriter(p.stream, pipe.manifest.defaults.fps if args.fps is None else args.fps, open_now=False)
         live["on_frames"] = writer.add
     try:
         frames = pipe.generate(args.prompt, args.negative_prompt, image=args.image, last_image=args.last_image,
@@ -161,8 +162,7 @@ def generate(args: argparse.Namespace) -> int:
                                **loop_args(args, pipe.kind), **p.shape, decoder=args.decoder,
                                **live)  # one video per process
     finally:
-        if writer is not None:
-            writer.end()  # a failed run's stream ends where it stopped
+        if writer is not None and writer.end():  # a failed run's stream ends where it stopped
             log.info("streamed %s", args.stream / "stream.m3u8")
     write_frames(args, p, frames)
     return 0

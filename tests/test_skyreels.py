@@ -260,12 +260,14 @@ BAD = [
 
 @pytest.mark.parametrize("flags,message", BAD)
 def test_bad_settings_are_one_line(flags: list[str], message: str, skyreels_bundles, tmp_path: Path) -> None:
-    out = tmp_path / "never.mp4"
+    """Each refused setting is one line, exit 2, and nothing is written: neither the video nor the live stream asked
+    for with it (the stream is written from the first frames on, once the loop has checked its settings)."""
+    out, stream = tmp_path / "never.mp4", tmp_path / "live" / "hls"
     proc = run_cli("runtime", "generate", str(skyreels_bundles["skyreels-df"]), "--prompt", "a cat", *flags,
-                   "--out", str(out), "-q", check=False)
+                   "--out", str(out), "--stream", str(stream), "-q", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert message in proc.stderr
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "live").exists()
 
 
 def test_a_source_video_too_short_to_extend(df, tmp_path: Path) -> None:
