@@ -145,3 +145,24 @@ def test_cpu_flags_read_the_flags_line(tmp_path: Path) -> None:
     info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu sse2 avx2 amx_bf16\n\nprocessor\t: 1\n")
     assert cpu_flags(info) == {"fpu", "sse2", "avx2", "amx_bf16"}
     assert cpu_flags(tmp_path / "none") == frozenset()
+
+
+def test_quiet_export_silences_jaxs_float64_truncation_warning() -> None:
+    """SkyReels-V2's DiT asks torch for a float64 arange, which JAX without x64 truncates to float32 with a
+    UserWarning on every export: `python -m export -q` printed it. The export's warning filters drop that one."""
+    import os
+    import warnings
+    from unittest import mock
+
+    import jax.numpy as jnp
+
+    from export.__main__ import _quiet_build_libraries
+
+    with warnings.catch_warnings(record=True) as caught, mock.patch.dict(os.environ):
+        warnings.simplefilter("always")
+        jnp.arange(4, dtype="float64")
+        assert [w for w in caught if "float64" in str(w.message)], "JAX no longer warns: drop the filter"
+        caught.clear()
+        _quiet_build_libraries()
+        jnp.arange(4, dtype="float64")
+    assert not caught, [str(w.message) for w in caught]
