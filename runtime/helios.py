@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from . import images, samplers, scheduler, video_input
+from . import images, loop_settings, samplers, scheduler, video_input
 from . import manifest as mf
 from . import steps as runner
 from .distributed import fetch
@@ -48,12 +48,9 @@ from .noise import seed_noise, segment_noise
 
 Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 
-# A run's own settings, by diffusers' names (HeliosPipeline / HeliosPyramidPipeline's __call__; the CLI's flags, the
-# API's fields and generate's keywords): the noise on given latents, then the pyramid's.
-SETTINGS = ("add_noise_to_image_latents", "image_noise_sigma_min", "image_noise_sigma_max",
-            "add_noise_to_video_latents", "video_noise_sigma_min", "video_noise_sigma_max", "is_skip_first_chunk",
-            "pyramid_num_inference_steps_list", "is_cfg_zero_star", "use_zero_init", "zero_steps",
-            "is_amplify_first_chunk")
+# A run's own settings, by diffusers' names (HeliosPipeline / HeliosPyramidPipeline's __call__), declared in the loops'
+# table (runtime/loop_settings.py: the CLI's flags, the API's fields and generate's keywords are made from it).
+SETTINGS = loop_settings.settings_of("helios")
 SAMPLERS = ("unipc", "euler")  # HeliosScheduler's scheduler_type (its "dmd" is the distilled pyramid's)
 SIGMA_FLOOR = 1e-8  # HeliosScheduler clamps sigma_t there (_sigma_to_alpha_sigma_t)
 NOISE_RANGE = (0.111, 0.135)  # diffusers' default image_noise_sigma_min/max and video_noise_sigma_min/max

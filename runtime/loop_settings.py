@@ -252,6 +252,12 @@ def own(loop: str) -> tuple[str, ...]:
     return tuple(s.name for s in SETTINGS if loop in s.loops and "segment" not in s.loops)
 
 
+def settings_of(loop: str) -> tuple[str, ...]:
+    """`loop`'s own settings, those with a flag or an API field (not the video's length and frame rate, which every
+    any-length loop takes), in the table's order: e.g. Helios' keywords of HeliosPipeline's __call__."""
+    return tuple(n for n in own(loop) if BY_NAME[n].flag is not None or BY_NAME[n].api is not None)
+
+
 def _loop_keywords() -> dict[str, tuple[str, tuple[str, ...]]]:
     return {loop: (title, own(loop)) for loop, title in LOOP_TITLES.items()}
 
