@@ -129,7 +129,8 @@ class Kind:
     guidance: float = 5.0
     video: str = "none"  # "none" | "optional": a control video (with a mask and reference images) | "required" |
     #                      "extend": a video to continue (diffusion forcing) | "prefix": the video's first frames,
-    #                      4k + 1 of them, kept as they are (AnyFlow)
+    #                      4k + 1 of them, kept as they are (AnyFlow) | "context": the video's first frames as the
+    #                      first chunks' context, 4k + 1 of them (AnyFlow-FAR)
     dit: str = "wan"  # "wan" | "skyreels" | "helios" | "anyflow" | "chronoedit": the DiT's diffusers class family
     #                   (export/source.py transformer_class)
     frames: int = 81  # the export's default --frames (Helios: one chunk, 9 latent frames)

@@ -92,7 +92,7 @@ def _chunks(c: dict[str, Any], g: dict[str, Any]) -> str:
 def _takes(kind: kinds.Kind) -> str:
     image = {"none": "", "optional": " [+ image]", "required": " + image"}[kind.image]
     video = {"none": "", "optional": " [+ video]", "required": " + video", "extend": " [+ video to extend]",
-             "prefix": " [+ first frames to continue]"}[kind.video]
+             "prefix": " [+ first frames to continue]", "context": " [+ video frames as context]"}[kind.video]
     return "prompt" + image + (" + last image" if kind.last_image else "") + video
 
 
