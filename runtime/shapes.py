@@ -59,7 +59,7 @@ def for_videos(m: mf.Manifest, kind: Kind, size: Size = None, frames: int | None
     """The shape a run with these video inputs makes: `video`'s frame count is the shape's frames (it must agree with
     `frames`), and a VACE bundle's shape has as many reference image frames as `reference_images`. UserError naming
     what the bundle makes otherwise."""
-    if video is not None and kind.video == "prefix":  # the video's frames start the shape's (AnyFlow)
+    if video is not None and kind.video in ("prefix", "context"):  # the video's frames start the shape's (AnyFlow)
         return shape(m, size, frames)
     if video is not None:
         n = len(video)
