@@ -233,4 +233,6 @@ def generate(pipe: Pipeline, prompt: str, negative_prompt: str = "", image: Any 
         chunk = session.send(changes.get(k))
         if on_frames is not None and chunk.frames is not None:
             on_frames(chunk.frames)
+    if low_memory:
+        pipe.unload_before("decode")
     return pipe.decode(session.output, decoder)

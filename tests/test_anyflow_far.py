@@ -152,7 +152,8 @@ def test_stream_yields_each_chunk_as_made(pipe) -> None:
 
 def test_bundle_and_what_it_refuses(far: tuple[Path, Path], pipe, tmp_path: Path) -> None:
     """The manifest: kind anyflow-far, one step and one cache program per CFG variant (the cache an input and output
-    of the cache write, heads on axis 3); `runtime generate --stream` writes one HLS segment per chunk; unipc and
+    of the cache write, heads on axis 3); `runtime generate --stream` writes one HLS segment per chunk, --image and
+    --video (context frames) run; unipc and
     dpm++ are refused in one line, exit 2; a bad prompt_changes chunk and an image with a video are refused."""
     from runtime.errors import UserError
 
@@ -168,6 +169,15 @@ def test_bundle_and_what_it_refuses(far: tuple[Path, Path], pipe, tmp_path: Path
     run_cli("runtime", "generate", str(far[1]), "--prompt", PROMPT, "--steps", "1", "--out", str(out), "--stream",
             str(stream))
     assert out.exists() and sorted(p.name for p in (stream / "stream").iterdir()) == ["0.ts", "1.ts", "2.ts", "3.ts"]
+    from PIL import Image
+
+    (tmp_path / "v").mkdir()
+    for i in range(9):  # 9 frames: chunks 0 and 1 as context
+        Image.fromarray(np.full((H, W, 3), 20 * i, np.uint8)).save(tmp_path / "v" / f"{i:02d}.png")
+    for flag, value in (("--image", tmp_path / "v" / "00.png"), ("--video", tmp_path / "v")):
+        run_cli("runtime", "generate", str(far[1]), "--prompt", PROMPT, "--steps", "1", flag, str(value), "--out",
+                str(tmp_path / f"{flag[2:]}.mp4"))
+        assert (tmp_path / f"{flag[2:]}.mp4").exists()
     for sampler in ("unipc", "dpm++"):
         r = run_cli("runtime", "generate", str(far[1]), "--prompt", PROMPT, "--sampler", sampler, "--out",
                     str(tmp_path / "y.mp4"), check=False)
