@@ -93,7 +93,7 @@ class Setting:
 
 # What each loop is, as a refusal names it (runtime/front.py), in the order generate checks them.
 LOOP_TITLES = {"animate": "Wan-Animate models", "forcing": "diffusion forcing models (SkyReels-V2 DF)",
-               "helios": "Helios models", "chronoedit": "ChronoEdit models"}
+               "helios": "Helios models", "chronoedit": "ChronoEdit models", "far": "AnyFlow-FAR models"}
 
 # The command line's groups of loop flags: their titles (`python -m runtime generate --help`).
 GROUPS = {
@@ -226,9 +226,11 @@ SETTINGS: tuple[Setting, ...] = (
             Flag("chronoedit", "the first K steps reason over --frames frames (a frame count the bundle was exported "
                                "with; default its most), the rest edit on 2 latent frames; K < --steps, sampler unipc "
                                "(default 0: none)", type=int, metavar="K")),
+    # AnyFlow-FAR (runtime/far.py): from chunk k on, another prompt ({k: prompt}), its KV cache re-encoded
+    Setting("prompt_changes", ("far",)),
     # the one-segment engine's inputs and settings, and which other loops take them
     Setting("last_image", ("segment", "forcing")),
-    Setting("video", ("segment", "forcing", "helios")),
+    Setting("video", ("segment", "forcing", "helios", "far")),
     Setting("mask", ("segment",)),
     Setting("reference_images", ("segment",)),
     Setting("conditioning_scale", ("segment",), Flag("video", "VACE: scale of the VACE branch's hints (default 1)",
