@@ -37,8 +37,9 @@ def add_quantize(p: argparse.ArgumentParser, help_tail: str = "") -> None:
 
 
 def add_weight_sources(p: argparse.ArgumentParser, dit_weights_with: str = "") -> None:
-    """--dit-weights (`dit_weights_with`: what it needs beside it, said in its help), --vae, --merge-lora, --merge-lora-2, --tiny-decoder, --tiny-decoder-latents, --defaults,
-    --revision: where a bundle's weights and run defaults come from besides the checkpoint."""
+    """--dit-weights (`dit_weights_with`: when it applies, said in its help), --vae, --defaults, --merge-lora,
+    --merge-lora-2, --tiny-decoder, --tiny-decoder-latents, --revision: where a bundle's weights and run defaults come
+    from besides the checkpoint."""
     p.add_argument("--dit-weights", action="append", type=Path, metavar="FILE",
                    help=DIT_WEIGHTS_HELP.format(with_=dit_weights_with))
     p.add_argument("--vae", type=Path, metavar="FILE",

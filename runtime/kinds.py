@@ -417,8 +417,8 @@ def stage_program(program: str, stage: int, stages: int) -> str:
     if stage == stages - 1:
         return program
     p = Program.parse(program)
-    if p is None:  # a name made of parts (export's "" + the stage suffix)
-        return f"{program}{STAGE_SUFFIX}{stage}"
+    if p is None or p.base != programs.DENOISE:
+        raise ValueError(f"{program!r} is not a denoise program")
     return p.replace(stage=stage).name
 
 
