@@ -242,6 +242,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
+    """Each check of the bundle against its manifest and this machine, a line each; exit 2 if any failed."""
     from .verify import FAIL, verify
 
     checks = verify(args.bundle)
@@ -256,7 +257,7 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    import json
+    """What the bundle holds (stages, shapes, shardings, weight bytes), as text or JSON: nothing compiled or loaded."""
 
     from . import manifest as mf
     from .summary import format_text, summarize
@@ -283,6 +284,7 @@ def fit(args: argparse.Namespace) -> int:
 
 
 def warm(args: argparse.Namespace) -> int:
+    """Every program compiled into the compilation cache (no weights loaded, nothing run): the next start is fast."""
     import time
 
     from .bundle import open_bundle
@@ -306,6 +308,7 @@ def warm(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """The OpenAI videos API on this bundle: every flag checked (one line, exit 2) before anything starts."""
     import ipaddress
 
     from . import distributed
