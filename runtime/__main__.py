@@ -258,7 +258,6 @@ def verify(args: argparse.Namespace) -> int:
 
 def inspect(args: argparse.Namespace) -> int:
     """What the bundle holds (stages, shapes, shardings, weight bytes), as text or JSON: nothing compiled or loaded."""
-
     from . import manifest as mf
     from .summary import format_text, summarize
 
