@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime import programs as prog
 from runtime import scheduler as sched
@@ -38,7 +38,7 @@ from runtime.manifest import Geometry, TensorSpec
 
 from . import cross_kv, sharding
 from .denoise import guided_velocity, sampler_update
-from .trace import Extracted
+from .trace import Extracted, abstract_mesh
 
 MASKED = -1e30
 PAD_TO = 128  # diffusers' flex attention pads the chunk's tokens to a multiple of this
@@ -105,10 +105,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, zero_ke
 
 class _Processor:
     """The FAR self-attention of one block, as AnyFlowCausalAttnProcessor computes q, k and v; what it attends to is
-    `attend_fn(q, k, v)` (the step's or the cache write's), and the keys and values before RoPE are kept in `kept`."""
+    `attend_fn(q, k, v)` (the step's or the cache write's), and the keys and values before RoPE are kept in `kept`.
+    With `heads` (a sharding), q, k and v are pinned to it: heads over tp, as the cache."""
 
-    def __init__(self, env: Any, attend_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]) -> None:
-        self.env, self.attend_fn = env, attend_fn
+    def __init__(self, env: Any, attend_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+                 heads: Any = None) -> None:
+        self.env, self.attend_fn, self.heads = env, attend_fn, heads
         self.kept: tuple[jax.Array, jax.Array] | None = None
 
     def __call__(self, attn: Any, hidden_states: Any, encoder_hidden_states: Any = None, attention_mask: Any = None,
@@ -119,6 +121,8 @@ class _Processor:
         value = attn.to_v(hidden_states)
         heads = lambda x: jnp.swapaxes(self.env.t2j_iso(x.unflatten(2, (attn.heads, -1))), 1, 2)  # noqa: E731
         q, k, v = heads(query), heads(key), heads(value)
+        if self.heads is not None:
+            q, k, v = (jax.lax.with_sharding_constraint(a, self.heads) for a in (q, k, v))
         self.kept = (k, v)
         out = self.attend_fn(q, k, v)  # (N, heads, S, D)
         n, h, s, d = out.shape
@@ -165,7 +169,8 @@ def cache_layout(mesh: dict[str, int], batch: int) -> PartitionSpec:
 
 
 def build_step(ex: Extracted, order: int, dtype: Any, text_tokens: int, layout: Layout,
-               variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+               variant: DenoiseVariant = DENOISE_VARIANTS["cfg"], heads: Any = None
+               ) -> Callable[..., tuple[jax.Array, ...]]:
     """fn(weights, state, kv, timestep, guidance, row, full_cache, compressed_cache, frame_pos, r_timestep) ->
     (new state, all-finite flag): one flow-map step of a chunk (AnyFlowFARPipeline's inner loop body).
 
@@ -174,7 +179,7 @@ def build_step(ex: Extracted, order: int, dtype: Any, text_tokens: int, layout: 
     full x tokens, head_dim), compressed_cache (layers, 2, B', heads, compressed x compressed tokens, head_dim) in the
     model dtype, B' = 2B for a CFG step (the prompt's half first, as kv), B without; frame_pos int32 (compressed +
     full + chunk,): each slot's latent frame, -1 empty (runtime/far_layout.py step_positions); r_timestep float32:
-    the chunk's target timestep."""
+    the chunk's target timestep. `heads`: the sharding q, k and v are pinned to (`cache_layout`'s, per layer)."""
     copies = 2 if variant.cfg else 1
     module, env = ex.module, ex.env
     tables = _tables(module)
@@ -221,7 +226,7 @@ def build_step(ex: Extracted, order: int, dtype: Any, text_tokens: int, layout: 
                 return attend(rotate(q, rope_q), rotate(k_all, rope_k), v_all, allowed, zero_keys)
             return fn
 
-        procs = [_Processor(env, layer_attend(i)) for i in range(len(module.blocks))]
+        procs = [_Processor(env, layer_attend(i), heads) for i in range(len(module.blocks))]
         model_in = jnp.concatenate([x] * copies).astype(dtype)
         t = jnp.full((n, frames), timestep, jnp.float32)
         r = jnp.full((n, frames), r_timestep, jnp.float32)
@@ -237,7 +242,8 @@ def build_step(ex: Extracted, order: int, dtype: Any, text_tokens: int, layout: 
 
 
 def build_cache(ex: Extracted, dtype: Any, text_tokens: int, layout: Layout,
-                variant: DenoiseVariant = DENOISE_VARIANTS["cfg"]) -> Callable[..., tuple[jax.Array, ...]]:
+                variant: DenoiseVariant = DENOISE_VARIANTS["cfg"], heads: Any = None
+                ) -> Callable[..., tuple[jax.Array, ...]]:
     """fn(weights, latents, frame_pos, frame_chunk, kv, full_cache, compressed_cache) -> (full_cache,
     compressed_cache): AnyFlowFARPipeline.encode_kv_cache.
 
@@ -281,7 +287,7 @@ def build_cache(ex: Extracted, dtype: Any, text_tokens: int, layout: Layout,
         def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             return attend(rotate(q, rope), rotate(k, rope), v, allowed)
 
-        procs = [_Processor(env, fn) for _ in module.blocks]
+        procs = [_Processor(env, fn, heads) for _ in module.blocks]
         model_in = jnp.concatenate([latents] * copies).astype(dtype)
         blank = jnp.zeros((n, text_tokens, 0), dtype)
         with cross_kv.precomputed(module, env, kv[:, :, :n], text_tokens):
@@ -316,25 +322,38 @@ def export_programs(ex: Extracted, g: Geometry, config: dict[str, Any], order: i
     b, z, frames, h, w = g.latent_shape
     layout = Layout.of(frames, config)
     kv = files.programs[prog.Program.cross_kv().name].outputs["kv"]
-    L = g.max_sequence_length
     for p in todo:
         v = DENOISE_VARIANTS[p.variant]
         caches = cache_specs(ex.module, g, layout, model_dtype, v.cfg)
-        spec = cache_layout(mesh, (2 if v.cfg else 1) * b)
+        n = (2 if v.cfg else 1) * b
+        spec = cache_layout(mesh, n)
         parts = {"full_cache": spec, "compressed_cache": spec}
-        if p.base == prog.DENOISE:
-            inputs = {"state": TensorSpec((sched.state_rows(order), b, z, layout.chunk, h, w), "float32"), "kv": kv,
-                      "timestep": TensorSpec((), "float32"), "guidance": TensorSpec((), "float32"),
-                      "row": TensorSpec((sched.row_size(order),), "float32"), **caches,
-                      "frame_pos": TensorSpec((layout.compressed + layout.full + layout.chunk,), "int32"),
-                      "r_timestep": TensorSpec((), "float32")}
-            files.add_program(p.name, "transformer", build_step(ex, order, model_dtype, L, layout, v), inputs,
-                              ["state", "finite"], parts)
-        else:
-            slots = layout.compressed + layout.full
-            inputs = {"latents": TensorSpec((b, z, slots, h, w), "float32"),
-                      "frame_pos": TensorSpec((slots,), "int32"), "frame_chunk": TensorSpec((slots,), "int32"),
-                      "kv": kv, **caches}
-            files.add_program(p.name, "transformer", build_cache(ex, model_dtype, L, layout, v), inputs,
-                              list(prog.CACHE_STEP_OUTPUTS), parts, (spec, spec))
+        grids = _grids(ex.module, h, w)
+        tokens = (layout.chunk if p.base == prog.DENOISE else layout.full) * grids["full"][0] * grids["full"][1]
+        with sharding.use_layout(sharding.dit_layout(mesh, n, tokens)):  # the blocks' and cross-attention's layout
+            heads = NamedSharding(abstract_mesh(files.target), PartitionSpec(*spec[2:]))
+            _export_one(ex, p, v, g, layout, order, model_dtype, files, kv, caches, parts, spec, heads)
+
+
+def _export_one(ex: Extracted, p: Any, v: DenoiseVariant, g: Geometry, layout: Layout, order: int, model_dtype: Any,
+                files: Any, kv: TensorSpec, caches: dict[str, TensorSpec], parts: dict[str, PartitionSpec],
+                spec: PartitionSpec, heads: NamedSharding) -> None:
+    """One program `p` (its variant `v`) of shape `g`, traced with `heads` the layout of its self-attention."""
+    b, z, _, h, w = g.latent_shape
+    L = g.max_sequence_length
+    if p.base == prog.DENOISE:
+        inputs = {"state": TensorSpec((sched.state_rows(order), b, z, layout.chunk, h, w), "float32"), "kv": kv,
+                  "timestep": TensorSpec((), "float32"), "guidance": TensorSpec((), "float32"),
+                  "row": TensorSpec((sched.row_size(order),), "float32"), **caches,
+                  "frame_pos": TensorSpec((layout.compressed + layout.full + layout.chunk,), "int32"),
+                  "r_timestep": TensorSpec((), "float32")}
+        files.add_program(p.name, "transformer", build_step(ex, order, model_dtype, L, layout, v, heads), inputs,
+                          ["state", "finite"], parts)
+    else:
+        slots = layout.compressed + layout.full
+        inputs = {"latents": TensorSpec((b, z, slots, h, w), "float32"),
+                  "frame_pos": TensorSpec((slots,), "int32"), "frame_chunk": TensorSpec((slots,), "int32"),
+                  "kv": kv, **caches}
+        files.add_program(p.name, "transformer", build_cache(ex, model_dtype, L, layout, v, heads), inputs,
+                          list(prog.CACHE_STEP_OUTPUTS), parts, (spec, spec))
 
