@@ -437,7 +437,10 @@ class Pipeline:
         - Helios (runtime/helios.py `generate`): `num_frames` of any length (whole chunks), `image`, `video`,
           `latents` (one initial noise per chunk), add_noise_to_image_latents, image_noise_sigma_min/max,
           add_noise_to_video_latents, video_noise_sigma_min/max, is_skip_first_chunk;
-        - ChronoEdit (runtime/chronoedit.py `generate`): `image`, `temporal_reasoning_steps`.
+        - ChronoEdit (runtime/chronoedit.py `generate`): `image`, `temporal_reasoning_steps`;
+        - AnyFlow-FAR (runtime/far.py `generate`): causal chunks with a KV cache; `image` (the first chunk's context),
+          `video` (4k + 1 first frames as context), `latents` (the whole video's noise), `use_mean_velocity`,
+          `prompt_changes` {chunk: prompt} (the cache re-encoded under it); `runtime.far.stream` yields the chunks.
 
         The shared keywords mean the same everywhere: `seed`, `steps`, `guidance`, `guidance_2`, `flow_shift`,
         `sampler`, `sigmas`, `size`, `frames`, `progress`; `low_memory` (drop each stage's weights once the run is

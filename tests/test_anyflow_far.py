@@ -190,6 +190,21 @@ def test_bundle_and_what_it_refuses(far: tuple[Path, Path], pipe, tmp_path: Path
 
 
 @pytest.mark.slow
+def test_context_ending_inside_a_chunk_matches_diffusers(pipe, reference) -> None:
+    """5 frames of context (2 latent frames: chunk 0 and the first frame of chunk 1): chunk 1 only writes the cache,
+    its second latent frame stays zero (as diffusers), and the video is within 1e-4 of AnyFlowFARPipeline's."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(5).integers(0, 255, (5, H, W, 3), dtype=np.uint8)
+    noise = _noise(5)
+    video = torch.from_numpy(pixels).permute(0, 3, 1, 2)[None].float() / 255
+    ours = _latents(pipe, noise, 2, video=[Image.fromarray(f) for f in pixels])
+    assert np.abs(ours[:, :, 2]).max() == 0.0
+    ref = _diffusers(reference, noise, 2, output_type="latent", video=video)
+    assert np.abs(ours - ref).max() < TOL
+
+
+@pytest.mark.slow
 def test_the_1_3b_from_its_architecture_name(tmp_path: Path) -> None:
     """`--model anyflow-far-wan2.1-1.3b --no-weights` at 480p x 81 frames: the kind from the name, the released
     chunks (1, 3 x 6, 2) and full-chunk limit 3 giving a 3-frame chunk slot and the cache of the most any chunk
