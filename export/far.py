@@ -249,8 +249,8 @@ def build_cache(ex: Extracted, dtype: Any, text_tokens: int, layout: Layout,
 
     latents (B, z, compressed + full, h, w) float32: the clean latent frames at their cache slots
     (runtime/far_layout.py cache_latents); frame_pos, frame_chunk int32 (compressed + full,): each slot's frame and
-    chunk, -1 empty; kv the prompt's cross-attention keys and values; the caches as `build_step` takes them, taken
-    only to be replaced (donated): the write re-encodes every slot, empty ones zero."""
+    chunk, -1 empty; kv the prompt's cross-attention keys and values; the caches as `build_step` takes them, returned
+    rewritten (donated): every slot that holds a frame re-encoded, the empty ones as they were (never read)."""
     copies = 2 if variant.cfg else 1
     module, env = ex.module, ex.env
     tables = _tables(module)
@@ -294,7 +294,9 @@ def build_cache(ex: Extracted, dtype: Any, text_tokens: int, layout: Layout,
             ex.fn(weights, (model_in, procs, blank), {}, method=encode)
         keep = valid[None, None, None, :, None]
         kvs = jnp.stack([jnp.stack(p.kept) for p in procs])  # (layers, 2, N, heads, S, D)
-        kvs = jnp.where(keep, kvs, 0).astype(full_cache.dtype)
+        # Empty slots keep what they held (no step reads them): the cache is read, so it keeps its layout in the
+        # program, and its buffers can be the outputs' (donated).
+        kvs = jnp.where(keep, kvs.astype(full_cache.dtype), jnp.concatenate([compressed_cache, full_cache], axis=4))
         split = nc * ct
         return kvs[:, :, :, :, split:], kvs[:, :, :, :, :split]
 
