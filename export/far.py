@@ -42,6 +42,7 @@ from .trace import Extracted, abstract_mesh
 
 MASKED = -1e30
 PAD_TO = 128  # diffusers' flex attention pads the chunk's tokens to a multiple of this
+KEY_BLOCK = 2048  # the keys of one step of `attend`'s online softmax
 
 
 def rope_tables(head_dim: int, max_seq_len: int, patch: tuple[int, ...], compressed_patch: tuple[int, ...],
@@ -87,20 +88,44 @@ def rotate(x: jax.Array, rope: jax.Array) -> jax.Array:
     return jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape).astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, zero_keys: jax.Array | int = 0
-           ) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, zero_keys: jax.Array | int = 0,
+           block: int = KEY_BLOCK) -> jax.Array:
     """Softmax attention (N, heads, Sq, D) where `allowed` (Sq, Sk) holds, plus `zero_keys` keys of score 0 and value
-    0 (diffusers' unmasked padding); a query that sees nothing gets 0. Scores and sums in float32."""
+    0 (diffusers' unmasked padding); a query that sees nothing gets 0. Scores and sums in float32. Over more than
+    `block` keys, an online softmax over blocks of that many (the whole score matrix of a 480p chunk against its
+    cache would be gigabytes per layer)."""
     scale = 1.0 / np.sqrt(q.shape[-1])
-    s = jnp.einsum("nhqd,nhkd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(allowed[None, None], s, MASKED)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if not isinstance(zero_keys, int) or zero_keys:
-        m = jnp.maximum(m, 0.0)
-    p = jnp.where(allowed[None, None], jnp.exp(s - m), 0.0)
-    total = jnp.sum(p, axis=-1, keepdims=True) + zero_keys * jnp.exp(-m)
-    out = jnp.einsum("nhqk,nhkd->nhqd", p, v.astype(jnp.float32)) / jnp.maximum(total, 1e-30)
-    return out.astype(q.dtype)
+    sk = k.shape[2]
+    blocks = -(-sk // block)
+    pad = blocks * block - sk
+    if pad:
+        k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
+        allowed = jnp.pad(allowed, ((0, 0), (0, pad)))
+    kb = jnp.moveaxis(k.reshape(*k.shape[:2], blocks, block, k.shape[3]), 2, 0)
+    vb = jnp.moveaxis(v.reshape(*v.shape[:2], blocks, block, v.shape[3]), 2, 0)
+    ab = jnp.moveaxis(allowed.reshape(allowed.shape[0], blocks, block), 1, 0)
+    has_zero = not isinstance(zero_keys, int) or zero_keys > 0
+    shape = (*q.shape[:3], 1)
+    m0 = jnp.full(shape, 0.0 if has_zero else MASKED, jnp.float32)  # the zero keys' score 0 counted from the start
+    l0 = jnp.full(shape, 1.0, jnp.float32) * zero_keys
+    acc0 = jnp.zeros(q.shape, jnp.float32)
+
+    def one(carry: tuple[jax.Array, ...], blk: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], None]:
+        m, l, acc = carry
+        kk, vv, aa = blk
+        s = jnp.einsum("nhqd,nhkd->nhqk", q, kk, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(aa[None, None], s, MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.where(aa[None, None], jnp.exp(s - m_new), 0.0)
+        old = jnp.exp(m - m_new)
+        acc = acc * old + jnp.einsum("nhqk,nhkd->nhqd", p, vv.astype(jnp.float32))
+        return (m_new, l * old + jnp.sum(p, axis=-1, keepdims=True), acc), None
+
+    if blocks == 1:
+        (_, total, acc), _ = one((m0, l0, acc0), (kb[0], vb[0], ab[0]))
+    else:
+        (_, total, acc), _ = jax.lax.scan(one, (m0, l0, acc0), (kb, vb, ab))
+    return (acc / jnp.maximum(total, 1e-30)).astype(q.dtype)
 
 
 class _Processor:

@@ -189,6 +189,26 @@ def test_bundle_and_what_it_refuses(far: tuple[Path, Path], pipe, tmp_path: Path
         pipe.generate(PROMPT, image=np.zeros((H, W, 3), np.uint8), video=np.zeros((5, H, W, 3), np.uint8))
 
 
+def test_blocked_attention_is_the_whole_softmax() -> None:
+    """export/far.py's attention over blocks of keys (an online softmax: what real sizes run) gives the softmax over all
+    of them at once, with the zero keys of diffusers' padding and masked keys; a query that sees nothing gets 0."""
+    from export import far as far_export
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, n, 8)).astype(np.float32) for n in (20, 70, 70))
+    allowed = rng.random((20, 70)) > 0.3
+    allowed[0] = False
+    whole = np.asarray(far_export.attend(q, k, v, allowed, 5, block=128))
+    s = np.einsum("nhqd,nhkd->nhqk", q, k) / np.sqrt(8)
+    e = np.where(allowed, np.exp(s), 0.0)
+    want = np.einsum("nhqk,nhkd->nhqd", e, v) / (e.sum(-1, keepdims=True) + 5)
+    assert np.abs(whole - want).max() < 1e-5
+    for zero in (5, 0):
+        blocked = np.asarray(far_export.attend(q, k, v, allowed, zero, block=16))
+        assert np.abs(blocked - np.asarray(far_export.attend(q, k, v, allowed, zero, block=128))).max() < 1e-5
+    assert np.abs(blocked[:, :, 0]).max() == 0.0
+
+
 @pytest.mark.slow
 def test_context_ending_inside_a_chunk_matches_diffusers(pipe, reference) -> None:
     """5 frames of context (2 latent frames: chunk 0 and the first frame of chunk 1): chunk 1 only writes the cache,
