@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
                         "(`python -m runtime fit`); exit 1 and nothing written if it does not")
     p.add_argument("--hbm", type=float, default=None, metavar="GIB",
                    help="with --fit: HBM per chip to fit in (default: the chip's: v4 32, v5e 16, v5p 95, v6e 32)")
+    p.add_argument("--precompile", action="store_true",
+                   help="also compile every program for the target and write the executables into the bundle "
+                        "(python -m export precompile BUNDLE): a matching host loads them instead of compiling")
     p.add_argument("--out", type=Path, help="bundle directory to create (e.g. artifacts/NAME)")
     flags.add_force_quiet(p, "--out")
     return p
@@ -137,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {old}", file=sys.stderr)
             return 2
         args, run = parser().parse_args(argv), _build
-    # Exporting needs no accelerator, whatever the target: keep JAX on the host CPU.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Exporting needs no accelerator, whatever the target: keep JAX on the host CPU (precompiling a cuda bundle
+    # needs its GPUs: export/precompile.py).
+    if not (argv and argv[0] == "precompile"):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _quiet_build_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
@@ -186,6 +191,13 @@ def _build(args: argparse.Namespace) -> int:
         raise UserError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
     target = targets.resolve(args.target, args.mesh)
     check = _fit_check(args, target)  # a target that is not a TPU slice, or no libtpu: before any work
+    if args.precompile and target.platform == "cuda":
+        raise UserError(f"--precompile compiles a cuda bundle only where its GPUs are: export without it, then run "
+                        f"`python -m export precompile {args.out}` on a machine with {target.num_devices} GPU(s)")
+    if args.precompile and target.platform == "tpu":
+        from runtime import fit
+
+        fit.check_libtpu()  # the compile-only devices: before any work
     for name in ("flash_block_q", "flash_block_kv", "flash_block_kv_compute", "attention_block_q",
                  "attention_block_kv"):
         if getattr(args, name) < 1:
@@ -225,6 +237,10 @@ def _build(args: argparse.Namespace) -> int:
             manifest = _export_with_dit_weights(src, settings, args.out, args.force, dit_weights, check)
         else:
             manifest = build_bundle(src, settings, args.out, force=args.force, check=check)
+    if args.precompile:
+        from .precompile import precompile
+
+        manifest = precompile(args.out)
     logging.getLogger("export").info("wrote %s (bundle %s%s) in %.1f s", args.out, manifest.bundle_id,
                                      "" if manifest.has_weights else ", no weights", time.perf_counter() - t0)
     return 0

@@ -3,6 +3,7 @@
     python -m export attach BUNDLE --weights SOURCE [--dit-weights FILE ...] [--quantize MODE] [--vae FILE] ...
     python -m export savedmodel BUNDLE --out DIR [--validate]
     python -m export lora FILE --bundle BUNDLE --out ADAPTER.safetensors [--lora-into transformer_2]
+    python -m export precompile BUNDLE
 
 Each takes only its own flags, so a flag of another job is refused by argparse, in one line, and no command checks
 which of the others' flags came with it. The build itself (`python -m export --model ...`) is export/__main__.py's.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,11 +135,39 @@ def lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def precompile_parser() -> argparse.ArgumentParser:
+    p = CommandParser(prog="python -m export precompile",
+                      description="Compile every program of a bundle for its target and write the executables into "
+                                  "it, so that a host whose compiler, devices and CPU match loads them instead of "
+                                  "compiling (cpu: here; TPU: with libtpu's compile-only devices, the tpu extra; "
+                                  "cuda: on a machine with the GPUs). Weights are not needed.")
+    p.add_argument("bundle", type=Path, metavar="BUNDLE", help="the bundle to precompile (its executables replaced)")
+    p.add_argument("-q", "--quiet", action="store_true", help="log only warnings and errors")
+    return p
+
+
+def precompile(args: argparse.Namespace) -> int:
+    from runtime import manifest as mf
+
+    from .precompile import precompile as run
+
+    if not (args.bundle / mf.MANIFEST_FILE).is_file():
+        raise UserError(f"{args.bundle} is not a bundle (no manifest.json)")
+    if mf.read(args.bundle).target.platform != "cuda":  # cpu and TPU bundles compile on this machine's CPU
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    t0 = time.perf_counter()
+    manifest = run(args.bundle)
+    logging.getLogger("export").info("precompiled %s (bundle %s) in %.1f s", args.bundle, manifest.bundle_id,
+                                     time.perf_counter() - t0)
+    return 0
+
+
 # command -> (what it does, in the build's --help; its parser; what runs it)
 COMMANDS: dict[str, tuple[str, Callable[[], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {
     "attach": ("add a checkpoint's weights to a --no-weights bundle", attach_parser, attach),
     "savedmodel": ("write a bundle as a TensorFlow SavedModel (TF Serving)", savedmodel_parser, savedmodel),
     "lora": ("convert a LoRA into an adapter for a bundle", lora_parser, lora),
+    "precompile": ("compile a bundle's programs for its target into it", precompile_parser, precompile),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -89,6 +90,7 @@ class Bundle:
     _applied: dict[str, tuple[Any, dict[str, list[Any]]]] = field(default_factory=dict)
     _versions: dict[str, int] = field(default_factory=dict)
     _switch_lock: threading.RLock = field(default_factory=threading.RLock)
+    _ahead_said: set[str] = field(default_factory=set)  # why executables compiled ahead were not loaded (logged once)
 
     def _once(self, table: dict[str, Future], key: str, make: Callable[[], Any]) -> Any:
         """make() for `key`, computed once even when several threads ask at the same time (a failure is
@@ -138,7 +140,7 @@ class Bundle:
         loop = self.manifest.programs[name].blocks
         with ThreadPoolExecutor(1, thread_name_prefix="wan-aot-weights") as loader:
             loading = loader.submit(self.weights, group, name) if jax.process_count() == 1 else None
-            compiled = self._timed(f"compile {name}", self.compile, name)
+            compiled = self.executable(name)
             if loop is not None:
                 tail = self.compiled_part(name, "tail")
             weights = loading.result() if loading is not None else self.weights(group, name)
@@ -170,7 +172,7 @@ class Bundle:
     def compiled_part(self, name: str, part: str) -> Any:
         """Part `part` of program `name`'s block loop, compiled (once)."""
         key = f"{name}:{part}"
-        return self._once(self._parts, key, lambda: self._timed(f"compile {key}", self.compile, name, part))
+        return self._once(self._parts, key, lambda: self.executable(name, part))
 
     def block_part(self, name: str, shared: list[Any]) -> str:
         """The part of block loop `name` whose block program takes `shared` inputs of these shapes: "block", or the
@@ -374,6 +376,53 @@ class Bundle:
         return {name: (w_shardings[name] or NamedSharding(self.mesh, partition_spec(wf.partition.get(name, []))),
                        tuple(a.shape), np.dtype(a.dtype))
                 for name, a in w_avals.items()}
+
+    def executable(self, name: str, part: str = "") -> Any:
+        """Program `name` (or its `part`) ready to run: its executable compiled ahead, where the bundle holds one whose
+        key matches this host (runtime/executables.py), else compiled here (`compile`). Timed as "load executable
+        <key>" or "compile <key>"."""
+        key = f"{name}:{part}" if part else name
+        entry = self._ahead.get((name, part))
+        if entry is not None:
+            t = time.perf_counter()
+            loaded = self._load_ahead(entry)
+            if loaded is not None:
+                self.timings[f"load executable {key}"] = time.perf_counter() - t
+                return loaded
+        return self._timed(f"compile {key}", self.compile, name, part)
+
+    def _load_ahead(self, entry: mf.Executable) -> Any:
+        """The executable of `entry`, or None (and one log line per reason) where this host cannot load it. A file
+        whose bytes are not the manifest's is refused (BundleError): changed native code is never run."""
+        from . import executables as ex
+
+        host = ex.key_for(self.mesh, self.compiler_options(entry.program), entry.key.topology)
+        why = ex.mismatch(entry.key, host)
+        payload = None
+        if why is None:
+            path = mf.resolve(self.path, entry.file)
+            if not path.is_file():
+                raise BundleError(f"bundle file {entry.file} is missing: re-copy or re-export the bundle")
+            payload = path.read_bytes()  # hashed as read, whatever was checked at open: native code runs from these
+            if hashlib.sha256(payload).hexdigest() != entry.sha256:
+                raise BundleError(f"bundle file {entry.file} does not match its sha256 in the manifest (tampered or "
+                                  "truncated): re-copy or re-export the bundle")
+            try:
+                exp = self.program(entry.program, entry.part)
+                return ex.load(payload, exp.in_tree, exp.out_tree, list(self.mesh.devices.flat[0].client.devices()))
+            except Exception as e:  # noqa: BLE001  (any failure: compile as a bundle without executables does)
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                why = f"loading one failed: {type(e).__name__}: {first}"
+        with self._lock:
+            said = why in self._ahead_said
+            self._ahead_said.add(why)
+        if not said:
+            log.warning("not loading the bundle's executables compiled ahead (%s): compiling its programs here", why)
+        return None
+
+    @property
+    def _ahead(self) -> dict[tuple[str, str], mf.Executable]:
+        return {(e.program, e.part): e for e in self.manifest.executables}
 
     def compile(self, name: str, part: str = "") -> Any:
         """Compile a program (or its `part`, see `program`) for this mesh without weights or inputs (fills the

@@ -6,6 +6,7 @@ A bundle is a directory::
     stages/<program>.jaxexport    serialized jax.export programs (weights are arguments)
     weights/<group>.safetensors   one file per model component, tensors named as in torch
     tokenizer/tokenizer.json      a `tokenizers` fast tokenizer
+    executables/<program>.xla     optional: each program compiled ahead for one host (runtime/executables.py)
 
 Every file is listed with its sha256 and checked before use.
 """
@@ -51,7 +52,9 @@ from .programs import DENOISE, SHAPE_SEPARATOR, Program
 #      Manifest.video_to_video (a text-to-video bundle with the VAE encoder for a source video).
 #  10: Defaults.timestep_scale: the DiT is fed t = sigma x timestep_scale (released Wan: 1000; a TorchTitan-trained
 #      checkpoint: 1, export --defaults timestep_scale=1); older bundles' DiTs all take sigma x 1000.
-SCHEMA_VERSION = 10
+#  11: Manifest.executables: programs compiled ahead (export --precompile, `python -m export precompile`), each with
+#      the key it was built for (ExecutableKey); a runtime whose host matches the key loads them instead of compiling.
+SCHEMA_VERSION = 11
 MANIFEST_FILE = "manifest.json"
 SCALE_SUFFIX = "_scale"  # a quantized tensor's per-row scale is the tensor "<name>_scale" (export/quantize.py)
 
@@ -133,9 +136,17 @@ def _from_v9(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _from_v10(d: dict[str, Any]) -> dict[str, Any]:
+    """v10 bundles hold no executables compiled ahead: every program is compiled where it runs."""
+    d = copy.deepcopy(d)
+    d["executables"] = []
+    d["schema_version"] = 11
+    return d
+
+
 # version -> function taking that version's JSON to the next version's
 MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6, 7: _from_v7,
-              8: _from_v8, 9: _from_v9}
+              8: _from_v8, 9: _from_v9, 10: _from_v10}
 
 
 @dataclass(frozen=True)
@@ -248,6 +259,35 @@ class Target:
         for size in self.mesh.values():
             n *= size
         return n
+
+
+@dataclass(frozen=True)
+class ExecutableKey:
+    """What an executable compiled ahead was built for: a host loads it only where all of it matches its own
+    (runtime/executables.py host_key), else compiles the program as a bundle without executables does."""
+
+    platform: str  # "cpu", "tpu", "cuda"
+    chip: str  # the devices' device_kind ("TPU v6 lite", "cpu", the GPU's name)
+    topology: str  # TPU: libtpu's topology name ("v6e:2x4"); "" elsewhere
+    devices: int  # devices of the mesh it runs on
+    processes: int  # processes of the job (a multi-host slice: one per host)
+    compiler: str  # "libtpu 0.0.42.1" for TPU; "jaxlib 0.10.2" (and the CUDA version) elsewhere
+    jax: str
+    options: dict[str, str]  # the XLA options it was compiled with (Bundle.compiler_options and XLA_FLAGS)
+    cpu: str = ""  # CPU targets: the LLVM CPU XLA compiled for ("znver5")
+    features: str = ""  # CPU targets: the instruction-set features XLA compiled for (LLVM's "+avx2,-avx512f,...")
+
+
+@dataclass(frozen=True)
+class Executable:
+    """One program (or one `part` of its block loop) compiled ahead: the file of jax's serialized executable."""
+
+    program: str
+    part: str  # "" (the program's own file), or a BlockLoop part ("block", "tail", "block_t<T>")
+    file: str
+    sha256: str
+    bytes: int
+    key: ExecutableKey
 
 
 @dataclass(frozen=True)
@@ -415,6 +455,7 @@ class Manifest:
     video_to_video: bool = False  # a text-to-video kind with the VAE encoder programs for a source video
     tiny_decoder: TinyDecoder | None = None  # a second, tiny decoder (export --tiny-decoder); None: the VAE's only
     chunks: Chunks | None = None  # Helios: its chunks' history and schedule (kinds.Kind.helios); None for the others
+    executables: tuple[Executable, ...] = ()  # programs compiled ahead (schema 11), at most one per (program, part)
     bundle_id: str = ""
 
     @property
@@ -460,6 +501,7 @@ class Manifest:
         refs += [FileRef(w.file, w.sha256) for w in self.weights.values() if w.file is not None]
         if self.tokenizer is not None:
             refs.append(self.tokenizer)
+        refs += [FileRef(e.file, e.sha256) for e in self.executables]
         return list(dict.fromkeys(refs))
 
     @property
