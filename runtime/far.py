@@ -41,8 +41,6 @@ from .far_layout import Layout
 
 Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 
-NOT_SAMPLERS = ("unipc", "dpm++")
-
 
 @dataclass
 class Chunk:
@@ -69,8 +67,6 @@ class Session:
             raise UserError(f"this bundle is {pipe.kind.title}: chunk streaming is for AnyFlow-FAR bundles")
         if use_mean_velocity is not None:
             sampler = samplers.mean_velocity_sampler(use_mean_velocity, sampler, True)
-        if sampler in NOT_SAMPLERS:
-            samplers.check_sampler(sampler, True)  # refused in one line, as AnyFlow's
         if image is not None and video is not None:
             raise UserError("give an image or a video as context, not both")
         pipe.prompts(prompt, "prompt")

@@ -17,7 +17,6 @@ and the runtime both read it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +121,3 @@ class Layout:
             raise UserError(f"{given} latent frames of context, but the video has {sum(self.partition)}")
         return next(i + 1 for i in range(self.chunks) if self.start(i + 1) >= given)
 
-
-def check_partition(partition: Sequence[int], latent_frames: int) -> None:
-    if sum(partition) != latent_frames or min(partition) < 1:
-        raise UserError(f"chunk_partition {list(partition)} does not cut {latent_frames} latent frames")
