@@ -11,7 +11,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers the "bfloat16" dtype name with numpy)
 import numpy as np
 
-from . import fit, kinds
+from . import executables, fit, kinds
 from . import manifest as mf
 from .targets import format_mesh
 
@@ -72,6 +72,7 @@ def summarize(path: Path, m: mf.Manifest) -> dict[str, Any]:
                                                     "latent_channels": m.tiny_decoder.latent_channels,
                                                     "latents": m.tiny_decoder.latents}} if m.tiny_decoder else {})},
         "tpu_fit": fit.read_record(path, m) if m.target.platform == "tpu" else None,
+        "executables": executables.summary(m),
         "chunks": None if m.chunks is None else dataclasses.asdict(m.chunks),
     }
 
@@ -139,6 +140,11 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append("tpu fit    " + (fit.describe_record(record) if record else
                                       "never compiled for TPU here: `python -m runtime fit BUNDLE --record` compiles "
                                       "every program for the slice with libtpu (no TPU needed)"))
+    if (ahead := s.get("executables")) and ahead["count"]:
+        lines.append(f"executables {ahead['count']} programs compiled ahead ({ahead['files']} files, "
+                     f"{_bytes(ahead['bytes'])}) for "
+                     + "; ".join(dict.fromkeys(k["describe"] for k in ahead["built_for"]))
+                     + "; loaded where the host matches, else compiled (--json: each one and its whole key)")
     lines += ["", "stages"]
     for name, st in s["stages"].items():
         lines.append(f"  {name:<18} {st['file']} ({_bytes(st['bytes'])}), weights: {st['weights']}")

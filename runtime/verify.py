@@ -84,7 +84,34 @@ def verify(path: Path) -> list[Check]:
                                       f"{jax.devices()[0].device_kind!r}"))
     except BundleError as e:
         checks.append(Check(FAIL, str(e)))
+        mesh = None
+    checks += _check_executables(m, mesh, files_ok)
     return checks
+
+
+def _check_executables(m: mf.Manifest, mesh: object, files_ok: bool) -> list[Check]:
+    """The executables compiled ahead: their files (checked with every file above) and whether this host's key is
+    theirs, i.e. whether a run here loads them or compiles (runtime/executables.py)."""
+    from . import executables as ex
+
+    if not m.executables:
+        return []
+    info = ex.summary(m)
+    what = (f"executables: {info['count']} compiled ahead ({info['files']} files, {info['bytes'] / 1e6:.1f} MB) for "
+            + "; ".join(dict.fromkeys(k["describe"] for k in info["built_for"])))
+    if not files_ok:
+        return [Check(FAIL, what + ": not all match their sha256 (above): a run refuses the bundle")]
+    if mesh is None:
+        return [Check(WARN, what + ": this machine cannot run the target (above)")]
+    from .bundle import Bundle
+
+    bundle = Bundle(path=Path("."), manifest=m, mesh=mesh)
+    reasons = {ex.mismatch(e.key, ex.key_for(mesh, bundle.compiler_options(e.program), e.key.topology))
+               for e in m.executables}
+    reasons.discard(None)
+    if reasons:
+        return [Check(WARN, what + f": not loaded here ({sorted(reasons)[0]}); a run compiles its programs")]
+    return [Check(OK, what + ": this host matches, a run loads them instead of compiling")]
 
 
 def _check_shapes(m: mf.Manifest) -> list[Check]:

@@ -38,9 +38,11 @@ def main() -> int:
     p.add_argument("--quantize", default=None, help="export with --quantize MODE (schema 8's golden is int8)")
     p.add_argument("--defaults", default=None, help="export with --defaults KEY=VALUE,... (schema 9's golden samples "
                                                     "with euler at flow shift 5 by default)")
+    p.add_argument("--precompile", action="store_true", help="export with --precompile (schema 11's golden holds "
+                                                              "executables; a host whose key differs compiles)")
     args = p.parse_args()
     export_args = EXPORT_ARGS + (["--quantize", args.quantize] if args.quantize else []) \
-        + (["--defaults", args.defaults] if args.defaults else [])
+        + (["--defaults", args.defaults] if args.defaults else []) + (["--precompile"] if args.precompile else [])
 
     import runtime
     from runtime import manifest as mf
