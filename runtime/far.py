@@ -211,7 +211,8 @@ def generate(pipe: Pipeline, prompt: str, negative_prompt: str = "", image: Any 
              **unused: Any) -> np.ndarray:
     """frames (B, F, H, W, 3) float32 in [0, 1]: the whole video, chunk by chunk. `prompt_changes` {chunk: prompt}:
     from that chunk on, that prompt (the cache re-encoded under it first). `on_frames` gets each chunk's frames as it
-    is made (decoded with the VAE's caches carried, so they join into the video's frames). The rest as
+    is made (decoded with the VAE's caches carried, so they join into the video's frames, which are returned: the
+    video is decoded once). The rest as
     Pipeline.generate; `latents` the whole video's initial noise (B, z, T, h, w)."""
     given = sorted(k for k, v in unused.items() if v is not None and v is not False)
     if given:
@@ -225,10 +226,14 @@ def generate(pipe: Pipeline, prompt: str, negative_prompt: str = "", image: Any 
         if not isinstance(k, int) or not 0 < k < session.layout.chunks:
             raise UserError(f"prompt_changes' chunks are 1..{session.layout.chunks - 1}, not {k!r}")
         pipe.prompts(changes[k], "prompt")
+    made = []
     for k in range(session.layout.chunks):
         chunk = session.send(changes.get(k))
         if on_frames is not None and chunk.frames is not None:
             on_frames(chunk.frames)
+            made.append(chunk.frames)
+    if made:  # decoded as they came (the VAE's caches carried): the whole video's frames
+        return np.concatenate(made, axis=1)
     if low_memory:
         pipe.unload_before("decode")
     return pipe.decode(session.output, decoder)
