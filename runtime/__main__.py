@@ -336,12 +336,13 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 < args.max_sync_seconds <= 86400:
         raise UserError(f"--max-sync-seconds {args.max_sync_seconds:g} must be a number of seconds in (0, 86400]: "
                         "how long an image edit's request waits for its job")
-    for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb"):
+    for name in ("lease", "stall", "header_timeout", "body_timeout", "keep_alive", "max_body_mb",
+                 "realtime_idle_timeout", "realtime_max_seconds", "realtime_max_message_kb"):
         value = getattr(args, name)
         if value is None:  # --max-body-mb left out: the bundle's
             continue
         if not (value > 0 and value < float("inf")):
-            unit = "megabytes" if name == "max_body_mb" else "seconds"
+            unit = "megabytes" if name == "max_body_mb" else "kilobytes" if name.endswith("_kb") else "seconds"
             raise UserError(f"--{name.replace('_', '-')} {value} must be a number of {unit} > 0")
     if args.max_loras < 1:
         raise UserError(f"--max-loras {args.max_loras} must be >= 1")
@@ -378,7 +379,9 @@ def serve(args: argparse.Namespace) -> int:
     multi = jax.process_count() > 1
     limits = Limits(header_timeout=args.header_timeout, body_timeout=args.body_timeout, keep_alive=args.keep_alive,
                     max_connections=args.max_connections, max_uploads=args.max_uploads, max_decodes=args.max_decodes,
-                    max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))
+                    max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)),
+                    realtime_idle=args.realtime_idle_timeout, realtime_max_seconds=args.realtime_max_seconds,
+                    realtime_max_message_bytes=max(1, int(args.realtime_max_message_kb * 1024)))
     settings = Settings(bundle=args.bundle, keys=keys, jobs_dir=args.jobs_dir, queue_size=args.queue_size,
                         tenant_queue_size=args.tenant_queue_size, magcache=magcache_from_args(args), queue=args.queue,
                         videos_url=args.videos_url, lease=args.lease, stall=args.stall, ui=not args.no_ui,

@@ -304,6 +304,15 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-body-mb", type=float, default=None, metavar="MB",
                      help=f"the largest request body; more get 413 (default {MAX_BODY_BYTES >> 20}, or "
                           f"{MAX_VIDEO_BODY_BYTES >> 20} for a bundle that takes videos)")
+    lim.add_argument("--realtime-idle-timeout", type=float, default=limits.realtime_idle, metavar="SECONDS",
+                     help="AnyFlow-FAR: a realtime connection (/v1/realtime/video) that starts no session within this "
+                          f"is closed (default {limits.realtime_idle:g})")
+    lim.add_argument("--realtime-max-seconds", type=float, default=limits.realtime_max_seconds, metavar="SECONDS",
+                     help="AnyFlow-FAR: a realtime session (which holds the replica's devices) stops after this "
+                          f"(default {limits.realtime_max_seconds:g})")
+    lim.add_argument("--realtime-max-message-kb", type=float, default=limits.realtime_max_message_bytes / 1024,
+                     metavar="KB", help="AnyFlow-FAR: a realtime client's message over this closes its connection "
+                                        f"with 1009 (default {limits.realtime_max_message_bytes >> 10:g})")
     r = s.add_argument_group("replicas (several servers, one queue: see runtime/serve/README.md, \"Many replicas\")")
     r.add_argument("--queue", metavar="URL", default=None,
                    help="the job database every replica shares: postgresql://USER:PASSWORD@HOST:PORT/DB (needs the "

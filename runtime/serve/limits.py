@@ -31,6 +31,12 @@ class Limits:
     # bundle that takes videos)
     max_body_bytes: int | None = None
     max_header_bytes: int = MAX_HEADER_BYTES  # one request's head; more is a 431
+    # realtime sessions (realtime.py): a connection that starts none within this many seconds is closed
+    # [--realtime-idle-timeout]; a session stops after this many [--realtime-max-seconds]; a client's message over
+    # this many bytes closes its connection with 1009 [--realtime-max-message-kb]
+    realtime_idle: float = 60.0
+    realtime_max_seconds: float = 600.0
+    realtime_max_message_bytes: int = 64 << 10
 
 
 class Slots:

@@ -78,6 +78,9 @@ class LimitedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
+        if self.transport.get_protocol() is not self:  # upgraded to a WebSocket (realtime.py): no HTTP deadlines
+            self._disarm()
+            return
         state = self.conn.their_state
         if state is h11.SEND_BODY:
             if self._phase != "body":

@@ -15,6 +15,7 @@
     /v1/webhook_endpoints ...      webhook endpoints (webhooks.py)
     GET    /health  /ready  /metrics  /openapi.json
     GET    /                       the playground page (runtime/serve/ui/; off with --no-ui)
+    GET    /v1/realtime/video      a realtime session, a WebSocket (AnyFlow-FAR bundles; realtime.py)
 
 Every answer but a success is an error in the OpenAI shape (errors.py), a 405 with the `Allow` header. Before any
 route: the Host and Origin checks and the API key, which names the request's tenant (access.py); a tenant sees only
@@ -38,7 +39,7 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
 from .. import hls
-from . import access, derive, images, intake, loras, thumbnails, webhooks
+from . import access, derive, images, intake, loras, realtime, thumbnails, webhooks
 from . import openapi as oa
 from .db import DatabaseUnavailable
 from .errors import ApiError
@@ -282,6 +283,7 @@ def create_app(state: State) -> FastAPI:
     derive_routes(app, state)
     images.add_routes(app, state)
     webhooks.add_routes(app, state)
+    realtime.add_routes(app, state)  # GET /v1/realtime/video, a WebSocket (AnyFlow-FAR bundles)
 
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:

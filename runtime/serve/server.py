@@ -120,7 +120,8 @@ def serve(settings: Settings, host: str, port: int, loader: Callable[[], Any],
                                    timeout_graceful_shutdown=10, http=protocol(limits),
                                    timeout_keep_alive=limits.keep_alive,  # type: ignore[arg-type]  (float seconds)
                                    limit_concurrency=limits.max_connections,
-                                   h11_max_incomplete_event_size=limits.max_header_bytes))
+                                   h11_max_incomplete_event_size=limits.max_header_bytes,
+                                   ws_max_size=limits.realtime_max_message_bytes))  # more: closed with 1009
     if settings.keys is not None and settings.keys.file is not None:
         signal.signal(signal.SIGHUP, lambda sig, frame: threading.Thread(target=reload_keys, args=(settings,),
                                                                           daemon=True).start())

@@ -71,6 +71,9 @@ class State:
     uploads: Slots = None  # type: ignore[assignment]  # create requests reading or checking a body at once
     decodes: threading.BoundedSemaphore = None  # type: ignore[assignment]  # requests decoding media at once
     lora_key: str = "[]"  # the per-request LoRA set this replica's weights hold (loras.set_key; "[]": none)
+    # the replica's worker slot, its devices: the worker holds it to claim and run a job, a realtime session while it
+    # runs (realtime.py), so the two never run at once
+    slot: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.uploads = Slots(self.settings.limits.max_uploads, "reading as many uploads as it takes at once")

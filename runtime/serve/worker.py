@@ -43,6 +43,8 @@ def worker(state: State) -> None:
     store = state.store
     failing = False  # claims fail (a full disk under SQLite, say): said once, and once when they work again
     while not state.draining.is_set():
+        if not state.slot.acquire(timeout=1.0):  # a realtime session runs on the devices (realtime.py)
+            continue
         try:  # with adapters offered, preferring a job of the set the weights hold (jobs.py, loras.py)
             job = store.claim(state.lora_key if state.settings.loras else None, state.settings.lora_affinity_max)
             if failing:
@@ -55,6 +57,7 @@ def worker(state: State) -> None:
                 log.warning("cannot claim a job: %s: %s; trying again every second", type(e).__name__, e)
             failing, job = True, None
         if job is None:
+            state.slot.release()
             state.idle.set()
             if state.broadcast is not None:
                 state.broadcast(None)  # a heartbeat keeps the other processes' collectives from timing out
@@ -68,6 +71,8 @@ def worker(state: State) -> None:
             # The worker lives on: the job's lease, no longer heartbeated, runs out and a claim takes it up again.
             log.error("job %s: its outcome could not be recorded (%s: %s); it is retried once its lease runs out",
                       job.id, type(e).__name__, e)
+        finally:
+            state.slot.release()
     state.idle.set()
 
 
