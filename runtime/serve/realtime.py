@@ -97,8 +97,16 @@ class Meters:
                                   registry=registry)
 
 
+def _not_denial(record: logging.LogRecord) -> bool:
+    """uvicorn (0.54, its websockets-sansio protocol) logs an error after every upgrade refused with an HTTP answer
+    (its denial path never marks the handshake done): not an error here, where refusing is the point."""
+    return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
 def add_routes(app: FastAPI, state: State) -> None:
     """The WebSocket route (on every bundle: another kind's answers 404), and a plain GET's 426."""
+    if _not_denial not in logging.getLogger("uvicorn.error").filters:
+        logging.getLogger("uvicorn.error").addFilter(_not_denial)
     meters = Meters(state.metrics.registry if state.metrics is not None and state.offer.kind.far else None)
 
     @app.websocket(PATH)

@@ -97,6 +97,16 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         if video is not None:
             write_video(frames, video, fps=params["fps"])
         return frames
+    if pipe.kind.far:  # causal chunks, each's frames streamed as made: runtime/far.py
+        check()
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"), seed=s.seed,
+                               steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift, sampler=s.sampler,
+                               sigmas=s.sigmas, progress=False, size=params.get("size"), frames=params.get("frames"),
+                               on_step=steps_done, decoder=params.get("decoder") or "full", on_frames=on_frames)[0]
+        stage_done("decode")
+        if video is not None:
+            write_video(frames, video, fps=params["fps"])
+        return frames
     if pipe.kind.animate:  # every segment: runtime/animate.py
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
                                pose_video=media.get("pose_video"), face_video=media.get("face_video"),
