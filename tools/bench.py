@@ -42,6 +42,7 @@ from benchmarks import (  # noqa: E402
     preview,
     quantize,
     ready,
+    realtime,
     roofline,
     serve,
     speedups,
@@ -79,6 +80,8 @@ MEASURES = {  # name: (module, the question it answers)
                    "the 1.3B's shape"),
     "stream": (stream, "time to the first playable segment of a live stream against the whole video (diffusion "
                        "forcing, Wan-Animate, Helios)"),
+    "realtime": (realtime, "AnyFlow-FAR's live session: time to the first chunk, per chunk, and the realtime factor "
+                           "at 1, 2 and 4 steps"),
 }
 
 

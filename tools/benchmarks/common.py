@@ -90,6 +90,18 @@ def _spec_anyflow_1_3b() -> dict[str, Any]:
     return {**_spec_1_3b(), "transformer": transformer, "pipeline": "anyflow", "scheduler": scheduler}
 
 
+def _spec_far_1_3b() -> dict[str, Any]:
+    """AnyFlow-FAR-Wan2.1-1.3B's DiT (anyflow-far-wan2.1-1.3b: 30 blocks, 12 heads of 128, the compressed patch
+    embedding, random weights), FlowMapEulerDiscreteScheduler; the 1.3b workload's text encoder and the real VAE. Its
+    chunk partition is cut from the shape's latent frames (runtime/far_layout.py)."""
+    from export.architectures import ARCHITECTURES
+
+    far = ARCHITECTURES["anyflow-far-wan2.1-1.3b"]
+    transformer = {k: v for k, v in far["transformer"].items() if k != "chunk_partition"}
+    scheduler = {k: v for k, v in far["scheduler"].items() if k != "_class_name"}
+    return {**_spec_1_3b(), "transformer": transformer, "pipeline": "anyflow-far", "scheduler": scheduler}
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and a shape that a benchmark runs, built once under --work (a diffusers checkpoint, then bundles)."""
@@ -123,6 +135,8 @@ WORKLOADS = {w.name: w for w in (
              "33 frames (9 latent frames) with the 16/2/1 history", _spec_helios_1_3b, 128, 128, 33),
     Workload("anyflow-1.3b", "AnyFlow at the 1.3b workload's widths (AnyFlowTransformer3DModel, 30 blocks, the flow "
              "map's r embedder)", _spec_anyflow_1_3b, 128, 128, 9),
+    Workload("far-1.3b", "AnyFlow-FAR-Wan2.1-1.3B's DiT (AnyFlowFARTransformer3DModel, 30 blocks, its KV cache), "
+             "25 frames: 7 latent frames in causal chunks of 1, 3 and 3", _spec_far_1_3b, 128, 128, 25),
 )}
 
 
