@@ -88,13 +88,24 @@ def compiler_of(platform: str, device: Any) -> str:
 
 
 def cpu_target(payload: bytes) -> tuple[str, str]:
-    """(LLVM CPU, feature string) that XLA's CPU compiler wrote into a serialized executable ("", "" if none)."""
-    m = re.search(rb"\n.(x86_64|aarch64|arm64|riscv64|powerpc64le|s390x)([-a-z0-9_.]*)\x12.([-a-zA-Z0-9_.]+)\x1a",
-                  payload, re.S)
-    cpu = m.group(3).decode() if m else ""
-    features = max((f.decode() for f in re.findall(rb"[+-][a-z0-9_.]+(?:,[+-][a-z0-9_.]+)+", payload)), key=len,
-                   default="")
-    return cpu, features
+    """(LLVM CPU, feature string) that XLA's CPU compiler wrote into a serialized executable ("", "" if none): its
+    target machine options, a protobuf message of the triple (1), the CPU (2) and the features (3)."""
+    m = re.search(rb"\n.(?:x86_64|aarch64|arm64|riscv64|powerpc64le|s390x)[-a-z0-9_.]*\x12(.)", payload, re.S)
+    if m is None:
+        return "", ""
+    at = m.end(1)
+    cpu = payload[at:at + m.group(1)[0]]
+    at += len(cpu)
+    if payload[at:at + 1] != b"\x1a":
+        return cpu.decode(errors="replace"), ""
+    at, length, shift = at + 1, 0, 0
+    while True:  # a varint
+        byte = payload[at]
+        length |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if byte < 0x80:
+            break
+    return cpu.decode(errors="replace"), payload[at:at + length].decode(errors="replace")
 
 
 _probe_lock = threading.Lock()
@@ -163,6 +174,10 @@ def summary(m: mf.Manifest) -> dict[str, Any]:
 def mismatch(built: mf.ExecutableKey, host: mf.ExecutableKey) -> str | None:
     """Why an executable built for `built` cannot run as this host's own compile would (None: it can)."""
     for name in ("platform", "chip", "devices", "processes", "compiler", "jax", "cpu"):
+        if name == "processes" and built.platform == "tpu":
+            # one executable for the whole slice, which every host of it loads (as MaxText's train_compile
+            # executables): libtpu's compile-only topology splits it into hosts of 4 chips, a v6e-8 VM is one host
+            continue
         a, b = getattr(built, name), getattr(host, name)
         if a != b:
             return f"it was built for {name} {a!r}, this host has {b!r}"
