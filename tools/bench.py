@@ -39,6 +39,7 @@ from benchmarks import (  # noqa: E402
     gguf,
     load,
     lora,
+    precompiled,
     preview,
     quantize,
     ready,
@@ -57,6 +58,8 @@ MEASURES = {  # name: (module, the question it answers)
     "e2e": (e2e, "process start to mp4 written: `runtime generate` against a diffusers script"),
     "startup": (startup, "process start to step 1, first start against warm, and where the seconds go"),
     "ready": (ready, "a server's time to ready, one shape and four, against generate's first step"),
+    "precompiled": (precompiled, "a cold start of a precompiled bundle (executables compiled ahead) against the "
+                                 "plain one: time to ready, to a video, XLA compilations"),
     "export": (export_time, "export time per target and per number of shapes"),
     "serve": (serve, "serving throughput and latency: one replica, two on PostgreSQL, one killed"),
     "load": (load, "load against servers already running (loopback)"),
