@@ -237,7 +237,14 @@ class Connection:
             self.stop.set()  # the client went, or the connection was closed: a running session stops
             for task in (receiver, sender):
                 task.cancel()
-            await asyncio.gather(receiver, sender, return_exceptions=True)
+            results = await asyncio.gather(receiver, sender, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:  # a bug: the traceback in the log, and the connection closed as failing (1011)
+            log.error("realtime %s: internal error", self.id, exc_info=failed[0])
+            try:
+                await self.ws.close(1011, "internal error")
+            except Exception:  # noqa: BLE001  (closed already)
+                pass
 
     async def _receive(self) -> None:
         while True:
