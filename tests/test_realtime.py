@@ -318,3 +318,109 @@ def test_the_idle_timeout_and_the_length_limit(far: tuple[Path, Path], pipe, tmp
         state.slot.release()
     finally:
         state.store.close()
+
+
+def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_path: Path,  # noqa: F811
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The playground in chromium (headless, as tests/test_playground.py drives it) on a FAR bundle with a key: its
+    live form starts a session (the key sent as a subprotocol); the session is held before chunk 2 while the page
+    plays chunks 0 and 1 through MediaSource; a new prompt typed then reaches the next chunk not yet started (3: the
+    held chunk 2 had started), as the page's chunk list shows; then the session ends and the page says so."""
+    import shutil
+    import threading
+
+    import uvicorn
+
+    from runtime import far as far_loop
+    from runtime import manifest as mf
+    from runtime.serve import realtime
+    from runtime.serve.jobs import open_store
+    from runtime.serve.metrics import make_metrics
+    from runtime.serve.routes import create_app
+    from runtime.serve.schema import Offer
+    from runtime.serve.state import Settings, State
+    from runtime.serve.tenants import Keys
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise AssertionError("chromium is not installed: apt-get install chromium (.ci/run does)")
+    held, updated, go = threading.Event(), threading.Event(), threading.Event()
+    stream, update = far_loop.stream, realtime.Connection._update
+
+    class Held:
+        """far.stream's session, held before its chunk 2 until the test lets it go."""
+
+        def __init__(self, session: far_loop.Session) -> None:
+            self.session, self.layout, self.made = session, session.layout, 0
+
+        @property
+        def prompt(self) -> str:
+            return self.session.prompt
+
+        @prompt.setter
+        def prompt(self, value: str) -> None:
+            self.session.prompt = value
+
+        def __next__(self) -> far_loop.Chunk:
+            if self.made == 2:
+                held.set()
+                assert go.wait(120)
+            self.made += 1
+            return next(self.session)
+
+    def noted(self, event: dict) -> None:
+        update(self, event)
+        updated.set()
+
+    monkeypatch.setattr(far_loop, "stream", lambda *a, **kw: Held(stream(*a, **kw)))
+    monkeypatch.setattr(realtime.Connection, "_update", noted)
+    state = State(settings=Settings(bundle=far[1], jobs_dir=tmp_path / "jobs", keys=Keys.load(None, "k")),
+                  store=open_store(tmp_path / "jobs"), offer=Offer.of(mf.read(far[1]), "far"))
+    state.pipe, state.metrics = pipe, make_metrics(state.store)
+    state.ready.set()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+            page = browser.new_page()
+            problems: list[str] = []
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" and "401" not in m.text
+                    else None)
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.get_by_label("API key").fill("k")
+            page.get_by_role("button", name="Use key").click()
+            page.get_by_label("Live prompt").fill(PROMPT)
+            page.get_by_label("Passes per chunk").fill("2")
+            page.get_by_role("button", name="Start").click()
+            assert held.wait(60)
+            video = page.get_by_label("Live session video")
+            page.wait_for_function("v => v.currentTime > 0 && v.readyState >= 2", arg=video.element_handle(),
+                                   timeout=60_000)  # chunks 0 and 1 play while the session is held before 2
+            assert video.evaluate("v => [v.videoWidth, v.videoHeight]") == [W, H]
+            assert page.locator("#live-chunks li").count() == 2 and not go.is_set()
+            page.get_by_label("Next prompt (from the next chunk)").fill(OTHER)
+            page.get_by_role("button", name="Change prompt").click()
+            assert updated.wait(30)
+            go.set()
+            sync_api.expect(page.locator("#live-status")).to_have_text("Done: 4 chunks, 25 frames", timeout=60_000)
+            chunks = page.locator("#live-chunks li").all_inner_texts()
+            assert len(chunks) == 4 and chunks[2].endswith(PROMPT) and chunks[3].endswith(OTHER), chunks
+            page.wait_for_function("v => Math.abs(v.duration - 25 / 16) < 0.01", arg=video.element_handle(),
+                                   timeout=30_000)
+            assert not problems and page.locator("#live-error").inner_text() == "", problems
+            browser.close()
+    finally:
+        go.set()
+        server.should_exit = True
+        thread.join(30)
+        state.store.close()

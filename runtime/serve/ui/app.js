@@ -1,6 +1,7 @@
 // The playground: one page on the server's public API (/v1/models, /v1/videos, /v1/videos/{id},
 // /v1/videos/{id}/content, its live preview ?variant=thumbnail, a segment kind's live stream
-// /v1/videos/{id}/stream.m3u8; an image-editing bundle's /v1/images/edits), as any client would use it. Everything a user or the server wrote is shown with
+// /v1/videos/{id}/stream.m3u8; an image-editing bundle's /v1/images/edits; an AnyFlow-FAR bundle's realtime session
+// /v1/realtime/video), as any client would use it. Everything a user or the server wrote is shown with
 // textContent, never as HTML.
 "use strict";
 
@@ -11,6 +12,7 @@ const images = new Set(); // the ids of image edits' jobs, whose content is a PN
 const lives = new Map(); // job id -> the hls.js player of its live stream
 let model = null;
 let polling = null;
+let live = null; // the realtime session's WebSocket, MediaSource and appends (AnyFlow-FAR bundles)
 
 class ApiError extends Error {
   constructor(status, message) {
@@ -40,6 +42,7 @@ function askForKey(message) {
   $("model").textContent = "This server needs an API key.";
   $("generate").hidden = true;
   $("edit-image").hidden = true;
+  $("live").hidden = true;
   $("key-form").hidden = false;
   $("key-error").textContent = message || "";
   $("api-key").value = "";
@@ -106,8 +109,129 @@ function showModel(card) {
     $("edit-passes").placeholder = String(card.defaults.steps);
     $("edit-guidance").placeholder = String(card.defaults.guidance);
   }
+  $("live").hidden = card.kind !== "anyflow-far";
+  $("live-passes").placeholder = String(card.defaults.steps);
   $("key-form").hidden = true;
   $("generate").hidden = false;
+}
+
+// A live session (AnyFlow-FAR bundles): GET /v1/realtime/video as a WebSocket (runtime/serve/realtime.py). A page
+// cannot set a header on a WebSocket: the key goes as the subprotocol `wan-aot-key.<hex>`. The server's first binary
+// message is the fMP4 init segment, then each chunk's chunk.done comes with one binary message, its fragments: each
+// is appended to a MediaSource as it arrives, so the chunks play while the next ones are made.
+function hex(text) {
+  return [...new TextEncoder().encode(text)].map((b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function avcCodec(init) { // "avc1.PPCCLL" from the init segment's avcC box (profile, constraints, level)
+  const b = new Uint8Array(init);
+  for (let i = 0; i + 8 < b.length; i++) {
+    if (b[i] === 0x61 && b[i + 1] === 0x76 && b[i + 2] === 0x63 && b[i + 3] === 0x43) {
+      return "avc1." + [b[i + 5], b[i + 6], b[i + 7]].map((x) => x.toString(16).padStart(2, "0")).join("");
+    }
+  }
+  return "avc1.64001f";
+}
+
+function startLive(event) {
+  event.preventDefault();
+  endLive();
+  $("live-error").textContent = "";
+  $("live-chunks").replaceChildren();
+  if (!window.MediaSource) {
+    $("live-error").textContent = "This browser has no Media Source Extensions: it cannot play a live session.";
+    return;
+  }
+  const protocols = ["wan-aot.realtime"];
+  const key = sessionStorage.getItem(KEY);
+  if (key) protocols.push("wan-aot-key." + hex(key));
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const ws = new WebSocket(`${scheme}//${location.host}/v1/realtime/video`, protocols);
+  ws.binaryType = "arraybuffer";
+  const source = new MediaSource();
+  const session = { ws, source, buffer: null, queue: [], done: false, opening: null };
+  session.opening = new Promise((resolve) => source.addEventListener("sourceopen", resolve, { once: true }));
+  const video = $("live-video");
+  video.src = URL.createObjectURL(source);
+  video.hidden = false;
+  live = session;
+  ws.addEventListener("message", (message) => liveMessage(session, message));
+  ws.addEventListener("close", (e) => {
+    if (!session.done && live === session) {
+      $("live-error").textContent = e.code === 1006 && !session.created
+        ? "The session could not be opened (is the API key right?)" : `The session closed (${e.code} ${e.reason})`;
+    }
+    if (live === session) liveControls(false);
+  });
+  $("live-status").textContent = "Connecting…";
+  $("live-start").disabled = true;
+}
+
+function liveControls(running) {
+  $("live-controls").hidden = !running;
+  $("live-start").disabled = running;
+}
+
+function liveMessage(session, message) {
+  if (typeof message.data !== "string") { // the init segment, then one chunk's fragments per message
+    session.queue.push(message.data);
+    pump(session);
+    return;
+  }
+  const event = JSON.parse(message.data);
+  if (event.type === "session.created") {
+    session.created = true;
+    const settings = { prompt: $("live-prompt").value, size: $("size").value };
+    if ($("live-passes").value !== "") settings.steps = Number($("live-passes").value);
+    if ($("live-noise").value !== "") settings.seed = Number($("live-noise").value);
+    session.ws.send(JSON.stringify({ type: "session.start", session: settings }));
+    $("live-status").textContent = "Starting…";
+    liveControls(true);
+  } else if (event.type === "chunk.done") {
+    const li = document.createElement("li");
+    li.dataset.chunk = String(event.chunk);
+    li.textContent = `Chunk ${event.chunk}: ${event.frames} frames in ${event.elapsed} s · ${event.prompt}`;
+    $("live-chunks").append(li);
+    $("live-status").textContent = `Playing: chunk ${event.chunk} made`;
+  } else if (event.type === "prompt.applied") {
+    $("live-status").textContent = `The new prompt holds from chunk ${event.chunk}`;
+  } else if (event.type === "session.done") {
+    session.done = true;
+    $("live-status").textContent = `Done: ${event.chunks} chunks, ${event.frames} frames${event.stopped ? " (stopped)" : ""}`;
+    liveControls(false);
+    pump(session);
+  } else if (event.type === "error") {
+    $("live-error").textContent = event.error.message;
+  }
+}
+
+async function pump(session) { // one append at a time, in order; the stream ended once all are in
+  if (!session.buffer) {
+    if (session.waiting || !session.queue.length) return;
+    session.waiting = true;
+    await session.opening;
+    session.buffer = session.source.addSourceBuffer(`video/mp4; codecs="${avcCodec(session.queue[0])}"`);
+    session.buffer.addEventListener("updateend", () => pump(session));
+  }
+  if (session.buffer.updating || session.source.readyState !== "open") return;
+  if (session.queue.length) {
+    session.buffer.appendBuffer(session.queue.shift());
+    $("live-video").play().catch(() => {}); // muted: autoplay is allowed
+  } else if (session.done) {
+    session.source.endOfStream();
+  }
+}
+
+function endLive() {
+  if (live === null) return;
+  if (live.ws.readyState <= WebSocket.OPEN) live.ws.close();
+  URL.revokeObjectURL($("live-video").src);
+  live = null;
+  liveControls(false);
+}
+
+function send(event) {
+  if (live !== null && live.ws.readyState === WebSocket.OPEN) live.ws.send(JSON.stringify(event));
 }
 
 // An image edit (POST /v1/images/edits, as the openai SDK's images.edit sends it): the request waits for the edit's
@@ -454,6 +578,12 @@ function stopPolling() {
 document.addEventListener("DOMContentLoaded", () => {
   $("generate").addEventListener("submit", generate);
   $("edit-image").addEventListener("submit", editImage);
+  $("live").addEventListener("submit", startLive);
+  $("live-update").addEventListener("click", () => {
+    send({ type: "prompt.update", prompt: $("live-next").value });
+    $("live-status").textContent = "Sent: the new prompt holds from the next chunk not yet started";
+  });
+  $("live-stop").addEventListener("click", () => send({ type: "session.stop" }));
   $("size").addEventListener("change", fillDurations);
   $("add-lora").addEventListener("click", () => {
     $("loras").append(loraRow());
