@@ -251,7 +251,7 @@ class Connection:
             timeout = None if self.started or self.closing else self.limits.realtime_idle
             try:
                 message = await asyncio.wait_for(self.ws.receive(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.emit("json", EventError("idle_timeout", f"no session.start within "
                                              f"{self.limits.realtime_idle:g} s (--realtime-idle-timeout): "
                                              "closing").event())
