@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime import targets
+from runtime.cli import compile_for_fit, exit_code
 from runtime.errors import UserError
-from runtime.extras import missing
-from runtime.fit import DoesNotFit
 
 from . import commands, flags, hub, tiny
 from .architectures import ARCHITECTURES
@@ -147,24 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_build_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("export").setLevel(logging.WARNING if args.quiet else logging.INFO)
-    try:
+
+    def call() -> int:
         flags.check_needs(args)
         return run(args)
-    except ModuleNotFoundError as e:  # the export extra (torch, diffusers, ...) not installed: say so in one line
-        error = missing(e, "python -m export")
-        if error is None:
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DoesNotFit as e:
-        print(f"error: {e}; no bundle was written", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; no bundle was written", file=sys.stderr)
-        return 130
+
+    return exit_code("python -m export", call, "; no bundle was written")  # runtime/cli.py: both CLIs' epilogue
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -311,8 +298,7 @@ def _fit_check(args: argparse.Namespace, target: targets.Target) -> Any:
 
     def check(directory: Path, manifest: Any) -> None:
         log.info("compiling every program for %s (%s) with XLA's TPU compiler", target.name, targets.topology(target))
-        report = fit.fit(directory, args.hbm, manifest=manifest, verify=False,
-                         on_compiled=lambda c: log.info("compiled %s in %.1f s", c.key, c.compile_s))
+        report = compile_for_fit(directory, args.hbm, log, manifest=manifest, verify=False)  # as `runtime fit`
         for line in fit.format_text(report).splitlines():
             log.info("%s", line)
         fit.check(report)
