@@ -130,7 +130,7 @@ def add_routes(app: FastAPI, state: State) -> None:
     @app.get(PATH, include_in_schema=False)
     def not_upgraded() -> None:
         raise ApiError(426, f"GET {PATH} is a WebSocket: connect with a WebSocket client (Upgrade: websocket)",
-                       code="upgrade_required", headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+                       code="upgrade_required", headers={"Upgrade": "websocket"})
 
 
 def admit(state: State, headers: Any) -> tuple[str, str | None]:
