@@ -30,7 +30,7 @@ from websockets.sync.client import connect  # noqa: E402
 W, H, FRAMES = 64, 32, 25
 PROMPT, NEGATIVE, OTHER = "a red cat", "blurry", "a blue dog"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-SLOW_STEPS = 1000  # about half a second a chunk here: a session that is still running when the test acts
+SLOW_STEPS = 1000  # about half a second a chunk here: a session that runs past the length limit
 # The SDK warns that OpenAI's own hosted video API closed; the API shape is what this server speaks.
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
@@ -236,46 +236,6 @@ def test_refused_before_accepting(server: Server, far: tuple[Path, Path], tmp_pa
     state.store.close()
 
 
-def test_a_client_that_goes_away_frees_the_slot(server: Server, far: tuple[Path, Path]) -> None:  # noqa: F811
-    """A session holds the replica's worker slot: a /v1/videos job queued meanwhile waits (queued at every chunk
-    while the session runs), and a second session's start is refused (server_busy), its connection kept. The first
-    client goes away (its socket cut) after chunk 1: its session stops within a chunk, the job runs, the second
-    session starts."""
-    client = server.client()
-    with connect(_url(server), additional_headers=AUTH) as first, \
-            connect(_url(server), additional_headers=AUTH) as second:
-        session_id = _event(first)["session"]["id"]
-        _event(second)
-        _start(first, steps=SLOW_STEPS)
-        assert isinstance(first.recv(timeout=60), bytes)
-        assert _event(first)["chunk"] == 0
-        job = client.videos.create(prompt="a queued fox", extra_body={"num_inference_steps": 1})
-        _start(second, steps=1)
-        busy = _event(second)
-        assert busy["type"] == "error" and busy["error"]["code"] == "server_busy", busy
-        assert _metric(server, "wan_aot_realtime_sessions") == 2
-        first.recv(timeout=60)
-        assert _event(first)["chunk"] == 1
-        assert client.videos.retrieve(job.id).status == "queued"
-        first.socket.shutdown(socket.SHUT_RDWR)  # gone: no close handshake
-        deadline = time.time() + 60
-        while client.videos.retrieve(job.id).status != "completed":
-            assert time.time() < deadline, client.videos.retrieve(job.id)
-            time.sleep(0.1)
-        log = server.output()
-        stopped = [line for line in log.splitlines() if f"realtime {session_id}: stopped after" in line]
-        assert stopped and int(stopped[0].split("stopped after ")[1].split()[0]) <= 3, log
-        _start(second, steps=1)
-        assert isinstance(second.recv(timeout=60), bytes)
-        kinds = []
-        with pytest.raises(websockets.ConnectionClosedOK):
-            while True:
-                message = second.recv(timeout=60)
-                kinds.append(json.loads(message)["type"] if isinstance(message, str) else "binary")
-        assert kinds[-1] == "session.done" and kinds.count("chunk.done") == kinds.count("binary") == 4
-    assert _metric(server, "wan_aot_realtime_sessions") == 0
-
-
 def test_the_idle_timeout_and_the_length_limit(far: tuple[Path, Path], pipe, tmp_path: Path) -> None:  # noqa: F811
     """In process (the app on the test's pipe): a connection that starts no session within --realtime-idle-timeout
     gets idle_timeout and a normal close; a session running past --realtime-max-seconds stops (session_too_long,
@@ -320,6 +280,135 @@ def test_the_idle_timeout_and_the_length_limit(far: tuple[Path, Path], pipe, tmp
         state.store.close()
 
 
+class Held:
+    """A served app in this process (on the test's pipe, with a key, a worker thread, uvicorn on 127.0.0.1) whose
+    sessions are held before their chunk 2 until the test lets them go (`go`); `held` is set once one is; `updated`
+    once a prompt.update was taken."""
+
+    def __init__(self, far_bundle: Path, pipe, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        import uvicorn
+
+        from runtime import far as far_loop
+        from runtime import manifest as mf
+        from runtime.serve import realtime
+        from runtime.serve.jobs import open_store
+        from runtime.serve.metrics import make_metrics
+        from runtime.serve.routes import create_app
+        from runtime.serve.schema import Offer
+        from runtime.serve.state import Settings, State
+        from runtime.serve.tenants import Keys
+        from runtime.serve.worker import worker
+
+        self.held, self.updated, self.go = threading.Event(), threading.Event(), threading.Event()
+        stream, update, outer = far_loop.stream, realtime.Connection._update, self
+
+        class Session:
+            def __init__(self, session: far_loop.Session) -> None:
+                self.session, self.layout, self.made = session, session.layout, 0
+
+            @property
+            def prompt(self) -> str:
+                return self.session.prompt
+
+            @prompt.setter
+            def prompt(self, value: str) -> None:
+                self.session.prompt = value
+
+            def __next__(self) -> far_loop.Chunk:
+                if self.made == 2:
+                    outer.held.set()
+                    assert outer.go.wait(120)
+                self.made += 1
+                return next(self.session)
+
+        def noted(connection, event: dict) -> None:
+            update(connection, event)
+            outer.updated.set()
+
+        monkeypatch.setattr(far_loop, "stream", lambda *a, **kw: Session(stream(*a, **kw)))
+        monkeypatch.setattr(realtime.Connection, "_update", noted)
+        self.state = state = State(settings=Settings(bundle=far_bundle, jobs_dir=tmp / "jobs", keys=Keys.load(None,
+                                   KEY)), store=open_store(tmp / "jobs"), offer=Offer.of(mf.read(far_bundle), "far"))
+        state.pipe, state.metrics = pipe, make_metrics(state.store)
+        state.ready.set()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.threads = [threading.Thread(target=self.server.run, daemon=True),
+                        threading.Thread(target=worker, args=(state,), daemon=True)]
+        for thread in self.threads:
+            thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+
+    def metric(self, name: str) -> float | None:
+        return self.state.metrics.registry.get_sample_value(name)
+
+    def close(self) -> None:
+        self.go.set()
+        self.state.draining.set()
+        self.state.wake.set()
+        self.server.should_exit = True
+        for thread in self.threads:
+            thread.join(30)
+        self.state.store.close()
+
+
+def test_a_client_that_goes_away_frees_the_slot(far: tuple[Path, Path], pipe, tmp_path: Path,  # noqa: F811
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session holds the replica's worker slot: while it runs (held before its chunk 2), a /v1/videos job stays
+    queued and a second session's start is refused (server_busy), its connection kept. The first client goes away
+    (its socket cut, no close handshake): its session stops at its next denoising step, inside chunk 2, which is never
+    sent; the slot is freed, the job runs, the second session starts and completes."""
+    import httpx
+
+    app = Held(far[1], pipe, tmp_path, monkeypatch)
+    url = app.url.replace("http://", "ws://") + "/v1/realtime/video"
+    try:
+        with connect(url, additional_headers=AUTH) as first, connect(url, additional_headers=AUTH) as second:
+            _event(first)
+            _event(second)
+            _start(first, steps=2)
+            assert app.held.wait(60)
+            job = httpx.post(app.url + "/v1/videos", headers=AUTH, json={"prompt": "a queued fox",
+                                                                         "num_inference_steps": 1}).json()
+            _start(second, steps=1)
+            busy = _event(second)
+            assert busy["type"] == "error" and busy["error"]["code"] == "server_busy", busy
+            assert app.metric("wan_aot_realtime_sessions") == 2
+            time.sleep(0.5)  # the worker had every chance to claim the job
+            assert app.state.store.get(job["id"]).status == "queued"
+            first.socket.shutdown(socket.SHUT_RDWR)  # gone: no close handshake
+            deadline = time.time() + 30
+            while app.metric("wan_aot_realtime_sessions") != 1:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            app.go.set()
+            while app.state.store.get(job["id"]).status != "completed":
+                assert time.time() < deadline + 30, app.state.store.get(job["id"])
+                time.sleep(0.05)
+            assert app.metric("wan_aot_realtime_chunks_total") == 2  # chunks 0 and 1: chunk 2 stopped inside
+            _start(second, steps=1)
+            kinds = []
+            with pytest.raises(websockets.ConnectionClosedOK):
+                while True:
+                    message = second.recv(timeout=60)
+                    kinds.append(json.loads(message)["type"] if isinstance(message, str) else "binary")
+            assert kinds[-1] == "session.done" and kinds.count("chunk.done") == 4 and kinds.count("binary") == 5
+        deadline = time.time() + 10
+        while app.metric("wan_aot_realtime_sessions") != 0:
+            assert time.time() < deadline
+            time.sleep(0.02)
+    finally:
+        app.close()
+
+
 def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_path: Path,  # noqa: F811
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The playground in chromium (headless, as tests/test_playground.py drives it) on a FAR bundle with a key: its
@@ -327,68 +416,13 @@ def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_p
     plays chunks 0 and 1 through MediaSource; a new prompt typed then reaches the next chunk not yet started (3: the
     held chunk 2 had started), as the page's chunk list shows; then the session ends and the page says so."""
     import shutil
-    import threading
-
-    import uvicorn
-
-    from runtime import far as far_loop
-    from runtime import manifest as mf
-    from runtime.serve import realtime
-    from runtime.serve.jobs import open_store
-    from runtime.serve.metrics import make_metrics
-    from runtime.serve.routes import create_app
-    from runtime.serve.schema import Offer
-    from runtime.serve.state import Settings, State
-    from runtime.serve.tenants import Keys
 
     sync_api = pytest.importorskip("playwright.sync_api")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         raise AssertionError("chromium is not installed: apt-get install chromium (.ci/run does)")
-    held, updated, go = threading.Event(), threading.Event(), threading.Event()
-    stream, update = far_loop.stream, realtime.Connection._update
-
-    class Held:
-        """far.stream's session, held before its chunk 2 until the test lets it go."""
-
-        def __init__(self, session: far_loop.Session) -> None:
-            self.session, self.layout, self.made = session, session.layout, 0
-
-        @property
-        def prompt(self) -> str:
-            return self.session.prompt
-
-        @prompt.setter
-        def prompt(self, value: str) -> None:
-            self.session.prompt = value
-
-        def __next__(self) -> far_loop.Chunk:
-            if self.made == 2:
-                held.set()
-                assert go.wait(120)
-            self.made += 1
-            return next(self.session)
-
-    def noted(self, event: dict) -> None:
-        update(self, event)
-        updated.set()
-
-    monkeypatch.setattr(far_loop, "stream", lambda *a, **kw: Held(stream(*a, **kw)))
-    monkeypatch.setattr(realtime.Connection, "_update", noted)
-    state = State(settings=Settings(bundle=far[1], jobs_dir=tmp_path / "jobs", keys=Keys.load(None, "k")),
-                  store=open_store(tmp_path / "jobs"), offer=Offer.of(mf.read(far[1]), "far"))
-    state.pipe, state.metrics = pipe, make_metrics(state.store)
-    state.ready.set()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    app = Held(far[1], pipe, tmp_path, monkeypatch)
     try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.02)
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
             page = browser.new_page()
@@ -396,22 +430,22 @@ def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_p
             page.on("pageerror", lambda e: problems.append(str(e)))
             page.on("console", lambda m: problems.append(m.text) if m.type == "error" and "401" not in m.text
                     else None)
-            page.goto(f"http://127.0.0.1:{port}/")
-            page.get_by_label("API key").fill("k")
+            page.goto(app.url + "/")
+            page.get_by_label("API key").fill(KEY)
             page.get_by_role("button", name="Use key").click()
             page.get_by_label("Live prompt").fill(PROMPT)
             page.get_by_label("Passes per chunk").fill("2")
             page.get_by_role("button", name="Start").click()
-            assert held.wait(60)
+            assert app.held.wait(60)
             video = page.get_by_label("Live session video")
             page.wait_for_function("v => v.currentTime > 0 && v.readyState >= 2", arg=video.element_handle(),
                                    timeout=60_000)  # chunks 0 and 1 play while the session is held before 2
             assert video.evaluate("v => [v.videoWidth, v.videoHeight]") == [W, H]
-            assert page.locator("#live-chunks li").count() == 2 and not go.is_set()
+            assert page.locator("#live-chunks li").count() == 2 and not app.go.is_set()
             page.get_by_label("Next prompt (from the next chunk)").fill(OTHER)
             page.get_by_role("button", name="Change prompt").click()
-            assert updated.wait(30)
-            go.set()
+            assert app.updated.wait(30)
+            app.go.set()
             sync_api.expect(page.locator("#live-status")).to_have_text("Done: 4 chunks, 25 frames", timeout=60_000)
             chunks = page.locator("#live-chunks li").all_inner_texts()
             assert len(chunks) == 4 and chunks[2].endswith(PROMPT) and chunks[3].endswith(OTHER), chunks
@@ -420,7 +454,4 @@ def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_p
             assert not problems and page.locator("#live-error").inner_text() == "", problems
             browser.close()
     finally:
-        go.set()
-        server.should_exit = True
-        thread.join(30)
-        state.store.close()
+        app.close()
