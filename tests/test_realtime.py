@@ -197,7 +197,8 @@ def test_bad_events_are_answered_and_the_session_stays_usable(server: Server) ->
 
 def test_refused_before_accepting(server: Server, far: tuple[Path, Path], tmp_path: Path) -> None:  # noqa: F811
     """401 without a key, with a wrong one (an OpenAI-shaped body), from another site's page; a browser's key as a
-    subprotocol is taken (and `wan-aot.realtime` selected); a plain GET is 426; a bundle of another kind is 404."""
+    subprotocol is taken (and `wan-aot.realtime` selected); a plain GET is 426; a bundle of another kind is 404, one
+    still loading 503, a multi-host slice 501."""
     import dataclasses
 
     import httpx
@@ -233,6 +234,12 @@ def test_refused_before_accepting(server: Server, far: tuple[Path, Path], tmp_pa
     with pytest.raises(WebSocketDenialResponse) as denied:
         client.websocket_connect("/v1/realtime/video", headers={"Authorization": "Bearer k"}).__enter__()
     assert denied.value.status_code == 404 and "AnyFlow-FAR" in denied.value.json()["error"]["message"]
+    state.offer, state.broadcast = offer, lambda message: None  # the FAR bundle, on a multi-host slice
+    for ready, status, code in ((False, 503, "loading"), (True, 501, "not_implemented")):
+        (state.ready.set if ready else state.ready.clear)()
+        with pytest.raises(WebSocketDenialResponse) as denied:
+            client.websocket_connect("/v1/realtime/video", headers={"Authorization": "Bearer k"}).__enter__()
+        assert (denied.value.status_code, denied.value.json()["error"]["code"]) == (status, code)
     state.store.close()
 
 
