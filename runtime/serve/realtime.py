@@ -10,7 +10,7 @@ never echoed).
 
 The protocol (JSON text messages, each with a `type`; the video as binary messages):
 
-    server -> client  session.created  {session: {id, model, fps, shapes, defaults, idle_timeout, max_seconds}}
+    server -> client  session.created  {session: {id, model, fps, shapes, defaults, idle_timeout, max_session_seconds}}
                       chunk.done       {chunk, frames, prompt, seconds, elapsed}, then ONE binary message: that
                                        chunk's fMP4 fragment(s) (moof + mdat); the session's first binary message,
                                        just before chunk 0's chunk.done, is the init segment (ftyp + moov)
@@ -228,7 +228,7 @@ class Connection:
             "shapes": [{"size": s, "frames": n, "seconds": seconds_of(n, offer.defaults.fps)} for s, n in offer.shapes],
             "defaults": {"steps": offer.steps, "guidance_scale": offer.defaults.guidance,
                          "sampler": offer.defaults.sampler},
-            "idle_timeout": self.limits.realtime_idle, "max_seconds": self.limits.realtime_max_seconds}})
+            "idle_timeout": self.limits.realtime_idle, "max_session_seconds": self.limits.realtime_max_seconds}})
         receiver = asyncio.create_task(self._receive())
         sender = asyncio.create_task(self._send())
         try:
