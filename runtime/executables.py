@@ -42,6 +42,7 @@ ALLOWED = {
     ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"), ("jax._src.interpreters.pxla", "AllArgsInfo"),
     ("jax._src.stages", "ArgInfo"), ("jax._src.linear_util", "DebugInfo"), ("jax._src.core", "ShapedArray"),
     ("jax._src.core", "ManualAxisType"), ("jax._src.core", "MemorySpace"), ("jax._src.layout", "Layout"),
+    ("jax._src.layout", "AutoLayoutSingleton"), ("jax._src.layout", "Format"),
     ("jax._src.mesh", "AbstractDevice"), ("jax._src.mesh", "AbstractMesh"), ("jax._src.mesh", "AxisType"),
     ("jax._src.mesh", "Mesh"), ("jax._src.named_sharding", "_unpickle_named_sharding"),
     ("jax._src.sharding_impls", "_unpickle_gspmd_sharding"), ("jax._src.sharding_impls", "GSPMDSharding"),
