@@ -382,7 +382,7 @@ def finish(params: dict[str, Any], added: dict[str, Any], source: Source, extra:
         params["seconds"] = seconds_of(len(source.frames) + params["frames"] - d["overlap"], params["fps"])
 
 
-# -- the run (worker.run_job) ----------------------------------------------------------------------------------
+# -- the run (run.run_job) -------------------------------------------------------------------------------------
 def sources(params: dict[str, Any], media: dict[str, Any]) -> dict[str, Any]:
     """A derived job's media as the run takes them: a VACE extension's control video and mask (the source's last
     frames kept, the rest generated), a remake's source under `remake`; an extension's source kept for `joined`."""

@@ -8,7 +8,7 @@ two-expert bundles) needs a JSON form: a grouped part cannot say which entry it 
 before the job is queued: the names against the adapters offered (and the tenant's), scales finite in [-4, 4], at
 most --max-loras entries, an expert only where the bundle has two and the adapter fits it.
 
-A job's set is carried in its params as it was asked (runtime/serve/worker.py turns it into `Pipeline.use_loras`,
+A job's set is carried in its params as it was asked (runtime/serve/run.py turns it into `Pipeline.use_loras`,
 after the server's own `--lora` adapters); `set_key` names it. A replica prefers the queued job whose set is the one
 its weights hold (`pick`), within the order the tenants' turns give (runtime/serve/jobs.py), and never lets a job be
 passed over more than --lora-affinity-max times for it.
