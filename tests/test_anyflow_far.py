@@ -238,3 +238,15 @@ def test_the_1_3b_from_its_architecture_name(tmp_path: Path) -> None:
     assert step["state"]["shape"][3] == 3
     assert step["full_cache"]["shape"] == [30, 2, 1, 12, 6 * 30 * 52, 128]
     assert step["compressed_cache"]["shape"] == [30, 2, 1, 12, 13 * 15 * 26, 128]
+
+
+def test_its_videos_are_neither_remixed_nor_extended() -> None:
+    """A FAR bundle's server offers no remix, edit or extension (its chunks start from their own noise, with no SDEdit
+    start; a continuation is the first chunks' context, `video=`): the API refuses them in one line, as for
+    ChronoEdit, instead of a job that would fail in the worker."""
+    from runtime import kinds
+    from runtime.serve import derive
+
+    far = kinds.get("anyflow-far")
+    assert not any(w.applies(far, False) for w in (*derive.REMAKES, *derive.EXTENDS))
+    assert "anyflow-far" not in derive.kinds_that(derive.REMAKES) + derive.kinds_that(derive.EXTENDS)

@@ -82,9 +82,10 @@ def vace_overlap(frames: int) -> int:
 REMAKES: tuple[Way, ...] = (
     Way("video_to_video", lambda k, vtv: vtv, noised=True),  # (no other conditioning: the run's `video_latents`)
     # (diffusion forcing and Helios have no SDEdit start: their remakes are refused, their extensions are their own;
-    # ChronoEdit's videos are an image edit's frames, its loop takes no source video: neither remade nor extended)
+    # ChronoEdit's videos are an image edit's frames, its loop takes no source video: neither remade nor extended;
+    # AnyFlow-FAR's chunks start from their own noise, its image is the first chunk's context: no SDEdit start)
     Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate and not k.any_length
-        and not k.chronoedit, noised=True, image="first"),
+        and not k.chronoedit and not k.far, noised=True, image="first"),
     Way("vace", lambda k, vtv: k.vace, noised=True),
     Way("first_frame", lambda k, vtv: k.conditioning == "first_frame", image="first"),
     Way("regenerate", lambda k, vtv: k.conditioning == "none", settings_only=True),
@@ -92,8 +93,8 @@ REMAKES: tuple[Way, ...] = (
 EXTENDS: tuple[Way, ...] = (
     Way("forcing", lambda k, vtv: k.forcing),  # the overlap is the run's overlap_history (`extend`)
     Way("helios", lambda k, vtv: k.helios),  # the source continued in chunks: nothing shared
-    Way("image", lambda k, vtv: k.image != "none" and not k.last_image and not k.animate and not k.chronoedit,
-        image="last", overlap=lambda frames: 1),
+    Way("image", lambda k, vtv: k.image != "none" and not k.last_image and not k.animate and not k.chronoedit
+        and not k.far, image="last", overlap=lambda frames: 1),  # (AnyFlow-FAR continues a video as its context)
     Way("vace", lambda k, vtv: k.vace, overlap=vace_overlap),
 )
 
