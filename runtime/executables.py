@@ -157,7 +157,7 @@ def key_for(mesh: Any, options: dict[str, Any] | None, topology: str = "", paylo
 def describe(key: mf.ExecutableKey) -> str:
     """A key in one line: "cpu znver5 (x1, jaxlib 0.10.2, jax 0.10.2)", "tpu TPU v6 lite v6e:2x4 (x8, ...)"."""
     where = key.cpu if key.platform == "cpu" else f"{key.chip} {key.topology}".strip()
-    extra = f", {key.processes} processes" if key.processes > 1 else ""
+    extra = f", {key.processes} processes" if key.processes > 1 and key.platform != "tpu" else ""  # TPU: the slice
     return f"{key.platform} {where} (x{key.devices}{extra}, {key.compiler}, jax {key.jax})"
 
 
