@@ -11,8 +11,9 @@ process, milliseconds): exactly what XLA would target here, whatever XLA_FLAGS (
 
 The file is jax's `serialize_executable` payload: a pickle of jax's executable wrapper around XLA's bytes. It is read
 by `load`'s unpickler, which admits only the jax and numpy classes such a payload names (ALLOWED), so no other Python
-runs; the native code it holds is trusted as the bundle's programs and weights are: its sha256 is in the manifest and checked
-before use (runtime/integrity.py), and a changed file is refused like any other bundle file.
+runs; the native code it holds is trusted as the bundle's programs and weights are: its sha256 is in the manifest and
+checked before use (runtime/integrity.py, and again as Bundle reads it), and a changed file is refused like any other
+bundle file.
 """
 
 from __future__ import annotations
