@@ -118,7 +118,8 @@ def measure(a: argparse.Namespace, workload: str, dtype: str) -> tuple[list[Tabl
         t.add(k, num(med[k]["ready"]), num(med[k]["video"]), ratio(med[k]["video"], med["plain"]["video"]),
               f"{med[k]['programs_compiled']:.0f}", f"{med[k]['other_compiled']:.0f}",
               f"{med[k]['executables_loaded']:.0f}", "identical" if same else "DIFFER")
-    build = Table(f"{workload}, {dtype}: the precompile at build", ["executables (MB)", "python -m export precompile (s)"])
+    build = Table(f"{workload}, {dtype}: the precompile at build",
+                  ["executables (MB)", "python -m export precompile (s)"])
     build.add(num(nbytes / 1e6, 1), num(build_s, 1))
     return [t, build], {"workload": workload, "runs": runs, "identical": same, "precompile_s": build_s,
                         "executable_bytes": nbytes}
