@@ -418,8 +418,9 @@ def test_a_client_that_goes_away_frees_the_slot(far: tuple[Path, Path], pipe, tm
 
 def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_path: Path,  # noqa: F811
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The playground in chromium (headless, as tests/test_playground.py drives it) on a FAR bundle with a key: its
-    live form starts a session (the key sent as a subprotocol); the session is held before chunk 2 while the page
+    """The playground in chromium (headless, as tests/test_playground.py drives it) on a FAR bundle with a key: a
+    blank prompt is refused by the server (its error shown, the form free again); the live form starts a session (the
+    key sent as a subprotocol); the session is held before chunk 2 while the page
     plays chunks 0 and 1 through MediaSource; a new prompt typed then reaches the next chunk not yet started (3: the
     held chunk 2 had started), as the page's chunk list shows; then the session ends and the page says so."""
     import shutil
@@ -440,6 +441,10 @@ def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_p
             page.goto(app.url + "/")
             page.get_by_label("API key").fill(KEY)
             page.get_by_role("button", name="Use key").click()
+            page.get_by_label("Live prompt").fill("   ")  # refused by the server: said, and the form free again
+            page.get_by_role("button", name="Start").click()
+            sync_api.expect(page.locator("#live-error")).to_contain_text("prompt", timeout=30_000)
+            sync_api.expect(page.get_by_role("button", name="Start")).to_be_enabled()
             page.get_by_label("Live prompt").fill(PROMPT)
             page.get_by_label("Passes per chunk").fill("2")
             page.get_by_role("button", name="Start").click()
@@ -458,7 +463,7 @@ def test_the_playground_plays_a_live_session(far: tuple[Path, Path], pipe, tmp_p
             assert len(chunks) == 4 and chunks[2].endswith(PROMPT) and chunks[3].endswith(OTHER), chunks
             page.wait_for_function("v => Math.abs(v.duration - 25 / 16) < 0.01", arg=video.element_handle(),
                                    timeout=30_000)
-            assert not problems and page.locator("#live-error").inner_text() == "", problems
+            assert not problems and page.locator("#live-error").inner_text() == "", problems  # cleared by Start
             browser.close()
     finally:
         app.close()

@@ -188,6 +188,7 @@ function liveMessage(session, message) {
     $("live-status").textContent = "Starting…";
     liveControls(true);
   } else if (event.type === "chunk.done") {
+    session.chunks = (session.chunks || 0) + 1;
     const li = document.createElement("li");
     li.dataset.chunk = String(event.chunk);
     li.textContent = `Chunk ${event.chunk}: ${event.frames} frames in ${event.elapsed} s · ${event.prompt}`;
@@ -202,6 +203,8 @@ function liveMessage(session, message) {
     pump(session);
   } else if (event.type === "error") {
     $("live-error").textContent = event.error.message;
+    // refused before it started (a bad setting, the devices busy): the form is free for another try
+    if (!session.chunks && ["invalid_value", "server_busy", "draining"].includes(event.error.code)) endLive();
   }
 }
 
