@@ -191,7 +191,8 @@ function liveMessage(session, message) {
     session.chunks = (session.chunks || 0) + 1;
     const li = document.createElement("li");
     li.dataset.chunk = String(event.chunk);
-    li.textContent = `Chunk ${event.chunk}: ${event.frames} frames in ${event.elapsed} s · ${event.prompt}`;
+    const frames = `${event.frames} frame${event.frames === 1 ? "" : "s"}`;
+    li.textContent = `Chunk ${event.chunk}: ${frames} in ${event.elapsed} s · ${event.prompt}`;
     $("live-chunks").append(li);
     $("live-status").textContent = `Playing: chunk ${event.chunk} made`;
   } else if (event.type === "prompt.applied") {
