@@ -30,9 +30,9 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
     caches_in, caches_out = _caches(spec.inputs), _caches(spec.outputs)
     if kinds.is_text_encoder(name):
         order = CallOrder(("ids", "mask"), ("embeds",))
-    elif name == "image_encoder":
+    elif kinds.base_program(name) == "image_encoder":
         order = CallOrder(("pixels",), ("image_embeds",))
-    elif name == "face_motion":
+    elif kinds.base_program(name) == "face_motion":  # (a shape's own: face_motion@<shape>)
         order = CallOrder(("face",), ("motion",))
     elif kinds.is_cross_kv(name):
         order = CallOrder(kind.kv_inputs, ("kv",))
