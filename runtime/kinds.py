@@ -226,8 +226,8 @@ class Kind:
 
     @property
     def loop(self) -> str:
-        """The loop `generate` runs (runtime/front.py): "segment" (one bundle shape, runtime/pipeline.py), "animate"
-        (runtime/animate.py), "forcing" (runtime/forcing.py), "helios" (runtime/helios.py) or "chronoedit"
+        """The loop `generate` runs (runtime/pipeline.py LOOPS): "segment" (one bundle shape, runtime/segment.py),
+        "animate" (runtime/animate.py), "forcing" (runtime/forcing.py), "helios" (runtime/helios.py) or "chronoedit"
         (runtime/chronoedit.py: one shape, or temporal reasoning over two)."""
         if self.chronoedit:
             return "chronoedit"

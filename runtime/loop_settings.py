@@ -1,6 +1,6 @@
 """Each loop's settings, declared once: the keywords of `generate` that not every loop takes, by diffusers' names.
 
-A row says which loops take the setting (kinds.Kind.loop: "segment" is the one-segment engine), its command-line flag
+A row says which loops take the setting (kinds.Kind.loop: "segment" is the one-segment loop), its command-line flag
 (spelling, type, metavar, help, group; None where another flag feeds it or there is none) and its API field (the
 create request's row: type, bounds, default, description; None where the API has no field of that name). From this
 one table are made:
@@ -228,7 +228,7 @@ SETTINGS: tuple[Setting, ...] = (
                                "(default 0: none)", type=int, metavar="K")),
     # AnyFlow-FAR (runtime/far.py): from chunk k on, another prompt ({k: prompt}), its KV cache re-encoded
     Setting("prompt_changes", ("far",)),
-    # the one-segment engine's inputs and settings, and which other loops take them
+    # the one-segment loop's inputs and settings, and which other loops take them
     Setting("last_image", ("segment", "forcing")),
     Setting("video", ("segment", "forcing", "helios", "far")),
     Setting("mask", ("segment",)),
@@ -250,7 +250,7 @@ BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def own(loop: str) -> tuple[str, ...]:
-    """The settings only `loop` and other loops of its own take (not the one-segment engine), in the table's order."""
+    """The settings only `loop` and other loops of its own take (not the one-segment loop), in the table's order."""
     return tuple(s.name for s in SETTINGS if loop in s.loops and "segment" not in s.loops)
 
 
