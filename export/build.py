@@ -30,8 +30,8 @@ from runtime.manifest import (
     Defaults,
     Geometry,
     Manifest,
-    TensorSpec,
     Target,
+    TensorSpec,
     bundle_programs,
     canonical_json,
 )

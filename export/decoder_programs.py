@@ -7,8 +7,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from runtime.errors import UserError
 from runtime import programs
+from runtime.errors import UserError
 from runtime.manifest import Geometry, Target, TensorSpec
 from runtime.manifest import TinyDecoder as TinyDecoderInfo
 from runtime.programs import Program
@@ -20,6 +20,7 @@ from .bundle_files import BundleFiles
 from .options import TinyDecoderFile
 from .source import Source
 from .trace import Extracted
+
 
 def export_vae(vae: Any, ex: Extracted, p: Program, geo: Geometry, target: Target, add_program: Any,
                attention: AttentionConfig) -> None:

@@ -19,6 +19,7 @@ from .shapes import dit_shape
 from .source import Source
 from .trace import Extracted, abstract_mesh
 
+
 def export_face_motion(ex: Extracted, name: str, g: Geometry, model_dtype: Any, add_program: Any) -> None:
     """Wan-Animate's face_motion program `name` (export/face_motion.py) for shape `g`: a face video of the shape's
     frames at motion_encoder_size x motion_encoder_size, float32 in [-1, 1], to the face encoder's vectors."""

@@ -14,6 +14,7 @@ from . import sharding
 from .options import Settings
 from .source import Source
 
+
 def geometry(src: Source, s: Settings, shape: tuple[int, int, int], reference_images: int = 0) -> Geometry:
     vae_cfg, tr_cfg = src.vae_config, src.transformer_config
     t_scale = int(vae_cfg.get("scale_factor_temporal") or 4)
@@ -56,15 +57,16 @@ def check_pyramid(g: Geometry, chunks: Chunks) -> None:
     if g.latent_height % div or g.latent_width % div:
         step = div * g.spatial_scale
         raise UserError(f"{g.size}: a Helios pyramid of {chunks.stages} stages halves the latents "
-                        f"({g.latent_width}x{g.latent_height}) {chunks.stages - 1} times, so they must divide by {div}: "
+                        f"({g.latent_width}x{g.latent_height}) {chunks.stages - 1} times, so they must divide by "
+                        f"{div}: "
                         f"give a resolution whose width and height are multiples of {step}")
 
 
 def chunks_for(scheduler_config: dict[str, Any], transformer_config: dict[str, Any],
                pipeline_options: dict[str, Any] | None = None) -> Chunks:
-    """A Helios bundle's chunk settings: HeliosPipeline's history sizes; its scheduler's shift settings (calculate_shift's
-    line as the pipeline reads it from the scheduler config, diffusers' defaults where absent); a pyramid pipeline's
-    stages, gamma, DMD (HeliosDMDScheduler) and CFG-Zero* (model_index.json's is_cfg_zero_star)."""
+    """A Helios bundle's chunk settings: HeliosPipeline's history sizes; its scheduler's shift settings
+    (calculate_shift's line as the pipeline reads it from the scheduler config, diffusers' defaults where absent); a
+    pyramid pipeline's stages, gamma, DMD (HeliosDMDScheduler) and CFG-Zero* (model_index.json's is_cfg_zero_star)."""
     cfg, d, opts = scheduler_config, Chunks(), pipeline_options or {}
     pyramid = bool(opts.get("pyramid"))
     dmd = cfg.get("_class_name") == "HeliosDMDScheduler"

@@ -229,6 +229,8 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
     )).eval()
     pipeline = spec.get("pipeline", "t2v")
     from diffusers import (
+        ChronoEditPipeline,
+        ChronoEditTransformer3DModel,
         HeliosDMDScheduler,
         HeliosPipeline,
         HeliosPyramidPipeline,
@@ -236,11 +238,14 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         HeliosTransformer3DModel,
     )
 
-    from diffusers import ChronoEditPipeline, ChronoEditTransformer3DModel
-
     helios = pipeline in ("helios", "helios-pyramid")
-    from diffusers import AnyFlowPipeline, AnyFlowTransformer3DModel, FlowMapEulerDiscreteScheduler
-    from diffusers import AnyFlowFARPipeline, AnyFlowFARTransformer3DModel
+    from diffusers import (
+        AnyFlowFARPipeline,
+        AnyFlowFARTransformer3DModel,
+        AnyFlowPipeline,
+        AnyFlowTransformer3DModel,
+        FlowMapEulerDiscreteScheduler,
+    )
 
     dit = {"anyflow-far": AnyFlowFARTransformer3DModel,
            "anyflow": AnyFlowTransformer3DModel, "vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel, "helios": HeliosTransformer3DModel,

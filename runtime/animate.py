@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from . import video_input
 from . import steps as runner
+from . import video_input
 from .distributed import fetch
-from .segment import denoise as denoise_segment
 from .errors import UserError
 from .noise import seed_noise, segment_noise  # noqa: F401  (segment_noise: also this module's public name)
+from .segment import denoise as denoise_segment
 
 Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods
 

@@ -29,8 +29,8 @@ import numpy as np
 from . import manifest as mf
 from . import segment
 from .errors import UserError
-from .shapes import Size
 from .files import atomic_path
+from .shapes import Size
 from .video import to_uint8
 
 Pipeline = Any  # the front (runtime/pipeline.py), which imports this loop: the loop calls its public methods

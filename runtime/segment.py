@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from . import conditioning, kinds, samplers, scheduler
-from . import steps as runner
 from . import manifest as mf
+from . import steps as runner
 from .distributed import fetch, put
 from .errors import UserError
 from .magcache import MagCache

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from pathlib import Path
 from typing import Any

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import html
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from collections.abc import Sequence
 from typing import Any
 
 import ftfy

@@ -198,8 +198,9 @@ def test_pyramid_matches_diffusers(pyramids, variant: str, steps: tuple[int, ...
     distilled model's DMD steps (two per stage in its amplified first chunk): frames within 1e-4 of diffusers'. Other
     block noise moves them far more, and a run without given draws takes its own from the seed (another seed, other
     frames)."""
-    import runtime
     from diffusers import HeliosPyramidPipeline
+
+    import runtime
 
     ckpt, bundle = pyramids(variant)
     ref = HeliosPyramidPipeline.from_pretrained(str(ckpt), dtype=torch.float32)

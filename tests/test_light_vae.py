@@ -166,8 +166,8 @@ def test_no_weights_reads_only_the_header(checkpoints, light) -> None:
 
 
 def test_attach_takes_the_same_vae_and_refuses_another(bundle, checkpoints, light, tmp_path: Path) -> None:
-    """`python -m export attach ... --vae FILE` writes the same VAE weights as the export; without --vae the checkpoint's
-    VAE (other widths) is refused in one line naming the file the bundle was exported with."""
+    """`python -m export attach ... --vae FILE` writes the same VAE weights as the export; without --vae the
+    checkpoint's VAE (other widths) is refused in one line naming the file the bundle was exported with."""
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)
     proc = run_cli("export", "attach", str(copy), "--weights", str(checkpoints["tiny"]), "--force",

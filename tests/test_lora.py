@@ -202,8 +202,8 @@ def test_a_per_expert_pair_switched_in(kind_bundles, tmp_path) -> None:
     expert, run after a plain job as a pair with `expert` high and low (the second moved to transformer_2), make
     exactly the frames `runtime generate` makes in a fresh process with the pair converted for each expert (the low
     one into transformer_2, as --lora-into does); through the server's request check and worker too."""
-    from runtime.serve.schema import Body, Offer, parse_request
     from runtime.serve.run import run_job
+    from runtime.serve.schema import Body, Offer, parse_request
 
     from .test_lora_switch import make_adapter
     from .test_serve import _mp4_frames

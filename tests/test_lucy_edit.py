@@ -141,8 +141,8 @@ def test_the_server_takes_the_video_to_edit_as_input_reference(pipe, kind_bundle
     from runtime import manifest as mf
     from runtime.serve import openapi
     from runtime.serve.errors import ApiError
-    from runtime.serve.schema import FILE_FIELDS, Body, Offer, parse_request
     from runtime.serve.run import run_job
+    from runtime.serve.schema import FILE_FIELDS, Body, Offer, parse_request
     from runtime.video import write_video
 
     from .test_serve import _mp4_frames

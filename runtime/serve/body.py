@@ -13,8 +13,15 @@ from typing import Any
 from ..errors import UserError
 from . import loras as lora_api
 from .errors import ApiError
-from .fields import (MAX_BODY_BYTES, MAX_FILES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_VIDEO_BYTES, MAX_VIDEO_PIXELS,
-                     Offer)
+from .fields import (
+    MAX_BODY_BYTES,
+    MAX_FILES,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_VIDEO_BYTES,
+    MAX_VIDEO_PIXELS,
+    Offer,
+)
 from .request_fields import BY_NAME, FIELDS, FILE_FIELDS
 
 

@@ -21,13 +21,40 @@ from typing import Any
 
 from .. import animate, forcing, helios, kinds
 from ..errors import UserError
-from .body import Body, check_image, check_video, decode_data_url, decode_file, read_body, read_limited, \
-    read_video_bytes
+from .body import (
+    Body,
+    check_image,
+    check_video,
+    decode_data_url,
+    decode_file,
+    read_body,
+    read_limited,
+    read_video_bytes,
+)
 from .errors import ApiError
-from .fields import (DEFAULT_MAX_SECONDS, FLOW_SHIFT, MAX_BODY_BYTES, MAX_FILES, MAX_FPS, MAX_IMAGE_BYTES,
-                     MAX_IMAGE_PIXELS, MAX_PROMPT_CHARS, MAX_STEPS, MAX_VIDEO_BODY_BYTES, MAX_VIDEO_BYTES,
-                     MAX_VIDEO_PIXELS, NOT_BLANK, POLL_AFTER_MS, SIGMA_MIN, Bound, Field, Offer, file_schema,
-                     seconds_of, sigmas_text)
+from .fields import (
+    DEFAULT_MAX_SECONDS,
+    FLOW_SHIFT,
+    MAX_BODY_BYTES,
+    MAX_FILES,
+    MAX_FPS,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_PROMPT_CHARS,
+    MAX_STEPS,
+    MAX_VIDEO_BODY_BYTES,
+    MAX_VIDEO_BYTES,
+    MAX_VIDEO_PIXELS,
+    NOT_BLANK,
+    POLL_AFTER_MS,
+    SIGMA_MIN,
+    Bound,
+    Field,
+    Offer,
+    file_schema,
+    seconds_of,
+    sigmas_text,
+)
 from .jsonnum import number as _number
 from .request_fields import BY_NAME, FIELDS, FILE_FIELDS, HELIOS_FIELDS
 

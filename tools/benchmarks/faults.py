@@ -273,7 +273,7 @@ def run(a: argparse.Namespace) -> Report:
             log("disk full done")
         if "store" in a.faults:
             runs[f"the S3 store unreachable for {a.store_outage:g} s"] = store_outage(a, bund, work, None)
-            runs[f"the same, --store-retry-seconds 5"] = store_outage(a, bund, work, 5.0)
+            runs["the same, --store-retry-seconds 5"] = store_outage(a, bund, work, 5.0)
             log("store outage done")
     finally:
         shutil.rmtree(work, ignore_errors=True)
