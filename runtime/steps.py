@@ -119,8 +119,8 @@ def run(bundle: Bundle, g: mf.Geometry, programs: Sequence[str], state: np.ndarr
     cancel); `on_preview(rgb)` before it, with the step's estimate of the video's middle frame (`previewer`).
     `experts` (each step's) with `calibration`: MagCache's calibration ratios are appended to it. `stop_after` n:
     stop after step n."""
-    names = signature_of(bundle, programs[0])
-    placed = dict(zip(names, bundle.call_shardings(programs[0]), strict=True))
+    orders = {name: signature_of(bundle, name) for name in dict.fromkeys(programs[begin:])}  # once per program
+    placed = dict(zip(signature_of(bundle, programs[0]), bundle.call_shardings(programs[0]), strict=True))
     state_dev = put(np.ascontiguousarray(state, np.float32), placed["state"])
     fixed_dev = {n: put(np.ascontiguousarray(v), placed[n]) for n, v in (fixed or {}).items()}
     cast = cast or timestep_cast(bundle.manifest, programs[0], _flat(timesteps))
@@ -132,7 +132,7 @@ def run(bundle: Bundle, g: mf.Geometry, programs: Sequence[str], state: np.ndarr
         variant = kinds.denoise_variant(name)
         values = {"state": state_dev, "timestep": cast(timesteps[i]), "residual": residual, **fixed_dev,
                   **per_step(i)}
-        outs = bundle.call(name)(*[values[n] for n in signature_of(bundle, name)])
+        outs = bundle.call(name)(*[values[n] for n in orders[name]])
         state_dev, finite = outs[0], outs[1]
         if variant is not None and variant.residual == "out":
             residual = outs[2]
