@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,6 +307,20 @@ def warm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_executables(bundle: Path) -> None:
+    """A bundle's executables compiled ahead are native code: one that was changed stops `serve` before it starts, one
+    line and exit 2, as it stops `generate` (the rest of the bundle is checked as the server loads it)."""
+    from . import manifest as mf
+    from .errors import BundleError
+    from .integrity import Checker
+
+    try:
+        m = mf.read(bundle)
+    except BundleError:
+        return  # not a bundle: the server's load reports it, as before
+    Checker(bundle, m).check([mf.FileRef(e.file, e.sha256) for e in m.executables])
+
+
 def serve(args: argparse.Namespace) -> int:
     """The OpenAI videos API on this bundle: every flag checked (one line, exit 2) before anything starts."""
     import ipaddress
@@ -348,6 +363,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-loras {args.max_loras} must be >= 1")
     if args.lora_affinity_max < 0:
         raise UserError(f"--lora-affinity-max {args.lora_affinity_max} must be >= 0")
+    _check_executables(args.bundle)
     offered = {}
     if args.lora_dir is not None:  # every adapter checked against the bundle: a misfit names its file, exit 2
         from . import manifest as mf

@@ -408,8 +408,7 @@ class Bundle:
                 raise BundleError(f"bundle file {entry.file} does not match its sha256 in the manifest (tampered or "
                                   "truncated): re-copy or re-export the bundle")
             try:
-                exp = self.program(entry.program, entry.part)
-                return ex.load(payload, exp.in_tree, exp.out_tree, list(self.mesh.devices.flat[0].client.devices()))
+                return ex.load(payload, self.lower(entry.program, entry.part), self.compiler_options(entry.program))
             except Exception as e:  # noqa: BLE001  (any failure: compile as a bundle without executables does)
                 first = str(e).splitlines()[0][:200] if str(e) else ""
                 why = f"loading one failed: {type(e).__name__}: {first}"
@@ -428,9 +427,13 @@ class Bundle:
         """Compile a program (or its `part`, see `program`) for this mesh without weights or inputs (fills the
         persistent compilation cache); returns the jax Compiled object (its HLO and cost analysis are what
         `tools/bench.py roofline` reads)."""
+        return self.lower(name, part).compile(self.compiler_options(name))
+
+    def lower(self, name: str, part: str = "") -> Any:
+        """Program `name` (or its `part`) lowered for this mesh, its donations as the runtime calls it: what `compile`
+        compiles, and what an executable compiled ahead is loaded into (runtime/executables.py)."""
         donate = () if part else signatures.donated(name, kinds.get(self.manifest.kind), self.manifest.programs[name])
-        return jax.jit(self.program(name, part).call, donate_argnums=donate).lower(
-            *self._abstract(name, part)).compile(self.compiler_options(name))
+        return jax.jit(self.program(name, part).call, donate_argnums=donate).lower(*self._abstract(name, part))
 
     def _abstract(self, name: str, part: str = "") -> list[Any]:
         """The weights and inputs of program `name` (or its `part`) as shapes, dtypes and shardings."""

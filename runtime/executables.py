@@ -9,17 +9,20 @@ What must match (manifest.ExecutableKey, `host_key`): platform, chip, topology, 
 XLA compiles for. A host reads its own features from a trivial program it compiles (`jit(_host_probe)`, once per
 process, milliseconds): exactly what XLA would target here, whatever XLA_FLAGS (--xla_cpu_max_isa) says.
 
-The file is jax's `serialize_executable` payload: a pickle of jax's executable wrapper around XLA's bytes. It is read
-by `load`'s unpickler, which admits only the jax and numpy classes such a payload names (ALLOWED), so no other Python
-runs; the native code it holds is trusted as the bundle's programs and weights are: its sha256 is in the manifest and
-checked before use (runtime/integrity.py, and again as Bundle reads it), and a changed file is refused like any other
-bundle file.
+The file is XLA's own serialized executable (what the PJRT client's `serialize_executable` writes), nothing else: no
+Python object is pickled or unpickled. jax has no public way to make a runnable `Compiled` from those bytes alone
+(its `serialize_executable` module pickles jax's wrapper around them), so `load` lowers the program here (tracing
+the Exported's call: no XLA compile) and has jax finish it as a compile would, with the deserialized executable in
+place of the compiler's output (`_Ahead`): the shardings and layouts are read back from the executable by jax's own
+code. The native code it holds is trusted as the bundle's programs and weights are: its sha256 is in the manifest
+and checked before use (runtime/integrity.py, and again as Bundle reads it), and a changed file is refused like any
+other bundle file.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import io
 import logging
 import os
 import re
@@ -35,25 +38,6 @@ log = logging.getLogger("runtime")
 FOLDER = "executables"
 SUFFIX = ".xla"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"  # how many fake CPU devices: not how code is compiled
-
-# (module, name) a serialized executable's payload may name: jax's executable wrapper, its shardings, meshes, avals
-# and layouts, numpy's arrays and dtypes (device assignments), ml_dtypes' dtypes. Anything else is refused.
-ALLOWED = {
-    ("jax", "P"), ("jax.sharding", "PartitionSpec"), ("jax._src.partition_spec", "PartitionSpec"),
-    ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"), ("jax._src.interpreters.pxla", "AllArgsInfo"),
-    ("jax._src.stages", "ArgInfo"), ("jax._src.linear_util", "DebugInfo"), ("jax._src.core", "ShapedArray"),
-    ("jax._src.core", "ManualAxisType"), ("jax._src.core", "MemorySpace"), ("jax._src.layout", "Layout"),
-    ("jax._src.layout", "AutoLayoutSingleton"), ("jax._src.layout", "Format"),
-    ("jax._src.mesh", "AbstractDevice"), ("jax._src.mesh", "AbstractMesh"), ("jax._src.mesh", "AxisType"),
-    ("jax._src.mesh", "Mesh"), ("jax._src.named_sharding", "_unpickle_named_sharding"),
-    ("jax._src.sharding_impls", "_unpickle_gspmd_sharding"), ("jax._src.sharding_impls", "GSPMDSharding"),
-    ("jax._src.sharding_impls", "SingleDeviceSharding"), ("jax._src.sharding_impls", "UnspecifiedValue"),
-    ("jaxlib._jax", "DeviceList"), ("jaxlib._jax", "HloSharding"),
-    ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
-    *{("ml_dtypes", n) for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")},
-}
-
 
 def file_of(program: str, part: str) -> str:
     """The bundle path of program `program`'s (or its `part`'s) executable."""
@@ -123,15 +107,12 @@ def host_cpu() -> tuple[str, str]:
 def _host_cpu() -> tuple[str, str]:
     import jax
     import numpy as np
-    from jax.experimental import serialize_executable
-
     def _host_probe(x: Any) -> Any:
         return x + 1
 
     with jax.default_device(jax.devices("cpu")[0]):
         compiled = jax.jit(_host_probe).lower(np.float32(0)).compile()
-    payload, _, _ = serialize_executable.serialize(compiled)
-    return cpu_target(payload)
+    return cpu_target(serialize(compiled))
 
 
 def key_for(mesh: Any, options: dict[str, Any] | None, topology: str = "", payload: bytes | None = None
@@ -195,30 +176,62 @@ def mismatch(built: mf.ExecutableKey, host: mf.ExecutableKey) -> str | None:
     return None
 
 
-def load(payload: bytes, in_tree: Any, out_tree: Any, devices: list[Any]) -> Any:
-    """jax's Compiled from a serialized executable, for these execution devices, with the program's own trees;
-    ValueError for a payload that names anything outside ALLOWED."""
-    import jax
-    from jax.experimental import serialize_executable as se
+class _Ahead:
+    """The one seam through which jax takes an executable it did not compile: `pxla._cached_compilation`, the call
+    `UnloadedMeshExecutable.from_hlo` makes for XLA's output. Installed once; it hands over the executable set for the
+    calling thread (a context variable), and otherwise compiles as jax does, so other compiles are untouched."""
 
-    class Restricted(se._JaxPjrtUnpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) not in ALLOWED:
-                raise ValueError(f"the executable names {module}.{name}, which is not part of a jax executable")
-            return super().find_class(module, name)
+    pending: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("wan_aot_executable", default=None)
+    _lock = threading.Lock()
+    _installed = False
 
-    client = devices[0].client
-    unloaded, args_info_flat, no_kwargs = Restricted(io.BytesIO(payload), client, devices).load()
-    args_info = in_tree.unflatten(args_info_flat)
-    return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
+    @classmethod
+    def install(cls) -> None:
+        from jax._src.interpreters import pxla
+        from jax._src.lib import xla_client as xc
+
+        with cls._lock:
+            if cls._installed:
+                return
+            compile_here = pxla._cached_compilation
+
+            def cached_compilation(*args: Any, **kwargs: Any) -> Any:
+                slot = cls.pending.get()
+                if not slot:
+                    return compile_here(*args, **kwargs)
+                given = [*args, *kwargs.values()]  # the client and the device list, by type (a C++ cache: no names)
+                client = next(a for a in given if isinstance(a, xc.Client))
+                devices = next(a for a in given if isinstance(a, xc.DeviceList))
+                return client.deserialize_executable(slot.pop(), executable_devices=devices)
+
+            cached_compilation.cache_clear = compile_here.cache_clear  # type: ignore[attr-defined]
+            pxla._cached_compilation = cached_compilation
+            cls._installed = True
+
+
+def load(payload: bytes, lowered: Any, options: dict[str, Any] | None = None) -> Any:
+    """jax's Compiled for `lowered` (the program lowered here for this mesh, as `Bundle.compile` lowers it) from XLA's
+    serialized executable `payload`, without compiling; RuntimeError where jax did not take it (then compile)."""
+    _Ahead.install()
+    slot = [payload]
+    token = _Ahead.pending.set(slot)
+    try:
+        compiled = lowered.compile(options)
+    finally:
+        _Ahead.pending.reset(token)
+    if slot:  # jax finished without asking for XLA's output: this jax has moved its seam
+        raise RuntimeError("this jax compiled the program instead of taking the executable")
+    return compiled
 
 
 def serialize(compiled: Any) -> bytes:
-    """The executable's bytes (jax's serialize_executable payload; its trees are the program's own)."""
-    from jax.experimental import serialize_executable
+    """XLA's bytes of a compiled program (a loaded executable's via its client; a compile-only one's directly)."""
+    from jax._src.lib import xla_client as xc
 
-    payload, _, _ = serialize_executable.serialize(compiled)
-    return payload
+    executable = compiled.runtime_executable()
+    if isinstance(executable, xc.LoadedExecutable):
+        return bytes(executable.client.serialize_executable(executable))
+    return bytes(executable.serialize())
 
 
 def read(bundle: Path, entry: mf.Executable) -> bytes:

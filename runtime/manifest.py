@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass
@@ -54,7 +55,10 @@ from .programs import DENOISE, SHAPE_SEPARATOR, Program
 #      checkpoint: 1, export --defaults timestep_scale=1); older bundles' DiTs all take sigma x 1000.
 #  11: Manifest.executables: programs compiled ahead (export --precompile, `python -m export precompile`), each with
 #      the key it was built for (ExecutableKey); a runtime whose host matches the key loads them instead of compiling.
-SCHEMA_VERSION = 11
+#  12: an executable's file is XLA's own serialized executable (no Python object in it); schema 11's were jax's
+#      pickled wrapper around those bytes, which this runtime never unpickles: the migration drops them, and such a
+#      bundle compiles its programs where it runs, as before its precompile (re-run `python -m export precompile`).
+SCHEMA_VERSION = 12
 MANIFEST_FILE = "manifest.json"
 SCALE_SUFFIX = "_scale"  # a quantized tensor's per-row scale is the tensor "<name>_scale" (export/quantize.py)
 
@@ -144,9 +148,27 @@ def _from_v10(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+_said_v11: set[str] = set()
+
+
+def _from_v11(d: dict[str, Any]) -> dict[str, Any]:
+    """v11 executables are jax pickles, which are never unpickled: they are dropped (the programs compile where they
+    run), with one log line per bundle saying so."""
+    d = copy.deepcopy(d)
+    if d.get("executables") and d.get("bundle_id") not in _said_v11:
+        _said_v11.add(d.get("bundle_id"))
+        logging.getLogger("runtime").warning(
+            "not loading the bundle's %d executables compiled ahead: schema 11 wrote them as Python pickles, which "
+            "this runtime never reads; it compiles its programs (re-run `python -m export precompile BUNDLE`)",
+            len(d["executables"]))
+    d["executables"] = []
+    d["schema_version"] = 12
+    return d
+
+
 # version -> function taking that version's JSON to the next version's
 MIGRATIONS = {1: _from_v1, 2: _from_v2, 3: _from_v3, 4: _from_v4, 5: _from_v5, 6: _from_v6, 7: _from_v7,
-              8: _from_v8, 9: _from_v9, 10: _from_v10}
+              8: _from_v8, 9: _from_v9, 10: _from_v10, 11: _from_v11}
 
 
 @dataclass(frozen=True)
@@ -280,7 +302,7 @@ class ExecutableKey:
 
 @dataclass(frozen=True)
 class Executable:
-    """One program (or one `part` of its block loop) compiled ahead: the file of jax's serialized executable."""
+    """One program (or one `part` of its block loop) compiled ahead: the file of XLA's serialized executable."""
 
     program: str
     part: str  # "" (the program's own file), or a BlockLoop part ("block", "tail", "block_t<T>")

@@ -103,6 +103,36 @@ def test_another_key_compiles_with_one_line_saying_why(pair: tuple[Path, Path], 
     assert not any(k.startswith("compile ") for k in loaded.bundle.timings)
 
 
+def test_an_executable_is_xla_bytes_loaded_without_unpickling(pair: tuple[Path, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is XLA's serialized executable, not a pickle, and loading it never unpickles anything."""
+    import pickle
+
+    _, pre = pair
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an executable was unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    first = {mf.resolve(pre, e.file).read_bytes()[:1] for e in mf.read(pre).executables}
+    assert b"\x80" not in first  # a pickle's protocol opcode
+    pipe = runtime.load(pre)
+    pipe.generate(PROMPT, seed=SEED, steps=1, progress=False)
+    assert any(k.startswith("load executable") for k in pipe.bundle.timings)
+    assert not any(k.startswith("compile ") for k in pipe.bundle.timings)
+
+
+def test_schema_11_pickled_executables_are_dropped_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    golden = Path(__file__).resolve().parents[1] / "artifacts" / "golden" / "schema-11" / "bundle"
+    assert json.loads((golden / mf.MANIFEST_FILE).read_text())["executables"]  # schema 11 wrote 29 pickles
+    mf._said_v11.clear()
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        assert mf.read(golden).executables == () and mf.read(golden).executables == ()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "Python pickles, which this runtime never reads" in said[0], said
+
+
 def test_a_changed_executable_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> None:
     _, pre = pair
     bad = tmp_path / "bad"
@@ -118,6 +148,8 @@ def test_a_changed_executable_is_refused(pair: tuple[Path, Path], tmp_path: Path
     gen = run_cli("runtime", "generate", str(bad), "--prompt", PROMPT, "--steps", "1", "--out", str(out), check=False)
     assert gen.returncode == 2 and len(gen.stderr.strip().splitlines()) == 1, gen.stderr
     assert "executables/denoise_step__block.xla does not match its sha256" in gen.stderr and not out.exists()
+    served = run_module("runtime", "serve", str(bad), "--port", "18791", check=False, timeout=60)  # before it binds
+    assert served.returncode == 2 and served.stderr.strip().splitlines() == gen.stderr.strip().splitlines()
     # opened without the check at open, the bytes are still hashed as they are read: changed code never runs
     with pytest.raises(runtime.BundleError, match="executables/denoise_step__block.xla does not match its sha256"):
         runtime.load(bad, verify=False).generate(PROMPT, seed=SEED, steps=1, progress=False)
