@@ -230,3 +230,13 @@ ARCHITECTURES["anyflow-far-wan2.1-1.3b"] = dict(
                      chunk_partition=[1, 3, 3, 3, 3, 3, 3, 2]),
     vae={}, text_encoder=_UMT5_XXL,
     scheduler=dict(_class_name="FlowMapEulerDiscreteScheduler", num_train_timesteps=1000, shift=5.0))
+
+# Wan-Animate 2 (diffusers 0.42.1 ships it as modular pipelines only, WanAnimate2ModularPipeline; it names no released
+# repository): WanAnimate2Transformer3DModel's defaults (5120 wide, 40 heads, 40 layers, 36 channels in, CLIP
+# img_emb 1280 wide), the Wan 2.1 VAE, UMT5-XXL and the CLIP ViT-H/14 vision tower (the blocks resize its input to
+# 224); FlowMatchEulerDiscreteScheduler (the blocks step it with a generator), at Wan2.2-Animate's shift of 5. Weights
+# attach from a modular directory (export attach checks every tensor's name and shape).
+ARCHITECTURES["wan-animate-2-14b"] = dict(
+    pipeline="WanAnimate2ModularPipeline", hub_id="a Wan-Animate 2 modular directory",
+    transformer={}, vae={}, text_encoder=_UMT5_XXL, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR,
+    scheduler=dict(_class_name="FlowMatchEulerDiscreteScheduler", num_train_timesteps=1000, shift=5.0))

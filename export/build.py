@@ -38,7 +38,7 @@ from runtime.manifest import (
 from runtime.manifest import TinyDecoder as TinyDecoderInfo
 from runtime.programs import Program
 
-from . import cross_kv, far, image_encoder, lora, sharding, text_encoder
+from . import animate2, cross_kv, far, image_encoder, lora, sharding, text_encoder
 from . import vae as vae_stage
 from .attention import AttentionConfig
 from .bundle_files import FAMILIES, BundleFiles, fresh_tmp, replace_dir, write_tokenizer
@@ -153,7 +153,7 @@ def build_bundle(src: Source, s: Settings, out: Path, force: bool = False,
         raise UserError(f"{out} already exists: choose another --out or pass --force to replace it")
     kind = src.model
     # VACE: the DiT's programs per count of reference images; Animate: its character image, always one latent frame
-    refs = s.reference_images if kind.reference_images else (1,) if kind.animate else (0,)
+    refs = s.reference_images if kind.reference_images else (1,) if kind.animate or kind.animate2 else (0,)
     shapes = [geometry(src, s, shape, r) for shape in s.shapes for r in refs]
     geo = shapes[0]  # the default shape; what does not depend on the shape is traced with it
     for g in shapes:
@@ -279,6 +279,17 @@ def _dit_expert(b: _Build, group: str, todo: Todo) -> None:
         for g in {g for p, g in todo if p.base != programs.CROSS_KV}:
             far.export_programs(ex, g, b.src.transformer_config, b.order, b.model_dtype, b.files,
                                 [p for p, pg in todo if pg == g and p.base != programs.CROSS_KV], b.s.target.mesh)
+        return
+    if b.kind.animate2:  # Wan-Animate 2: cross_kv, then the reference pass and the steps (export/animate2.py)
+        for p, _ in todo:
+            if p.base == programs.CROSS_KV:
+                b.files.add_program(p.name, group, animate2.build_cross_kv(ex, b.model_dtype),
+                                    kv_inputs(b.kind, b.geo, b.image_tokens), ["kv"])
+        text = int(ex.module.config.text_len)
+        for g in {g for p, g in todo if p.base != programs.CROSS_KV}:
+            animate2.export_programs(ex, g, b.order, b.model_dtype, b.files,
+                                     [p for p, pg in todo if pg == g and p.base != programs.CROSS_KV],
+                                     b.s.target.mesh, text)
         return
     todo = sorted(todo, key=lambda pg: DIT_ORDER.index(pg[0].base))
     L = b.geo.max_sequence_length

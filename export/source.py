@@ -80,7 +80,10 @@ class Source:
         """One expert: "transformer", or "transformer_2" (the low-noise expert of a two-expert model)."""
         cls = transformer_class(self.model)
         if not self.weights:
-            return _empty(lambda: cls(**_init_args(self.transformer_config)), self._torch_dtype())
+            args = _init_args(self.transformer_config)
+            takes = inspect.signature(cls.__init__).parameters
+            args = {k: v for k, v in args.items() if k in takes}  # (Wan-Animate 2's aliases, `animate2_aliases`)
+            return _empty(lambda: cls(**args), self._torch_dtype())
         return cls.from_pretrained(self.location, subfolder=subfolder, revision=self.revision,
                                    dtype=self._torch_dtype()).eval()
 
@@ -142,6 +145,8 @@ def transformer_class(kind: Kind) -> Any:
         return diffusers.AnyFlowFARTransformer3DModel
     if kind.dit == "chronoedit":
         return diffusers.ChronoEditTransformer3DModel
+    if kind.dit == "animate-2":
+        return diffusers.WanAnimate2Transformer3DModel
     if kind.animate:
         return diffusers.WanAnimateTransformer3DModel
     return diffusers.WanVACETransformer3DModel if kind.vace else diffusers.WanTransformer3DModel
@@ -237,12 +242,15 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
                                                       "ChronoEditPipeline": "chronoedit_transformer",
                                                       "AnyFlowPipeline": "anyflow_transformer",
                                                       "AnyFlowFARPipeline": "anyflow_far_transformer",
+                                                      "WanAnimate2ModularPipeline": "animate2_transformer",
                                                       **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),
                      scheduler_config=dict(arch["scheduler"]), tokenizer_json=None, weights=False,
                      boundary_ratio=arch.get("boundary_ratio"),
                      image_encoder_config=arch.get("image_encoder"), image_processor_config=arch.get("image_processor"))
+        if PIPELINES[arch["pipeline"]] == "animate-2":
+            src.transformer_config = animate2_aliases(src.transformer_config)
         if PIPELINES[arch["pipeline"]] == "helios":
             src.pipeline_options = {"pyramid": arch["pipeline"] == "HeliosPyramidPipeline",
                                     **{k: bool(arch["options"].get(k)) for k in ("is_distilled", "is_cfg_zero_star")}}
@@ -259,8 +267,9 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
         return src
     path = Path(model)
     if path.exists():
-        if not (path / "model_index.json").is_file():
-            raise UserError(f"{model} is not a diffusers-format pipeline directory (no model_index.json)")
+        if not (path / "model_index.json").is_file() and not (path / MODULAR_INDEX).is_file():
+            raise UserError(f"{model} is not a diffusers-format pipeline directory (no model_index.json or "
+                            f"{MODULAR_INDEX})")
         src = _open_diffusers(str(path), dtype, None)
         src.kind, src.id = "directory", str(path.resolve())
         return src
@@ -282,6 +291,8 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
     )
     from transformers import AutoTokenizer, UMT5Config
 
+    if (Path(where) / MODULAR_INDEX).is_file() and not (Path(where) / "model_index.json").is_file():
+        return _open_modular(where, dtype)
     index = DiffusionPipeline.load_config(where, revision=revision)
     pipeline = index.get("_class_name")
     if pipeline not in PIPELINES:
@@ -333,6 +344,55 @@ def _open_diffusers(where: str, dtype: str, revision: str | None) -> Source:
     return src
 
 
+MODULAR_INDEX = "modular_model_index.json"  # what a modular pipeline's save_pretrained writes (Wan-Animate 2)
+# Wan-Animate 2's modular pipelines (diffusers 0.42.1 has no other form of it): the kind by the index's _class_name.
+MODULAR_PIPELINES = {"WanAnimate2ModularPipeline": "animate-2",
+                     "WanAnimate2DistilledModularPipeline": "animate-2-distilled"}
+
+
+def animate2_aliases(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A WanAnimate2Transformer3DModel config with the WanTransformer3DModel names the rest of the export reads
+    (in_channels, out_channels, num_attention_heads, attention_head_dim, image_dim, added_kv_proj_dim) beside its own
+    (in_dim, out_dim, num_heads, dim); `load_transformer` passes the class only its own."""
+    dim, heads = int(cfg["dim"]), int(cfg["num_heads"])
+    return {**cfg, "in_channels": int(cfg["in_dim"]), "out_channels": int(cfg["out_dim"]),
+            "num_attention_heads": heads, "attention_head_dim": dim // heads,
+            "image_dim": 1280 if cfg.get("use_img_emb", True) else None, "added_kv_proj_dim": dim}
+
+
+def _open_modular(where: str, dtype: str) -> Source:
+    """A modular pipeline's directory (`save_pretrained` of WanAnimate2ModularPipeline: its components in subfolders
+    beside modular_model_index.json)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanAnimate2Transformer3DModel
+    from transformers import AutoTokenizer, CLIPVisionConfig, UMT5Config
+
+    index = json.loads((Path(where) / MODULAR_INDEX).read_text())
+    pipeline = index.get("_class_name")
+    if pipeline not in MODULAR_PIPELINES:
+        raise UserError(f"{where} is a modular {pipeline}, not one wan-aot exports ({', '.join(MODULAR_PIPELINES)})")
+    for part in ("transformer", "vae", "text_encoder", "tokenizer", "image_encoder", "scheduler"):
+        if not (Path(where) / part).is_dir():
+            raise UserError(f"{where}: the modular pipeline has no {part}/ folder; save it with save_pretrained after "
+                            "loading every component")
+    sched = dict(FlowMatchEulerDiscreteScheduler.load_config(where, subfolder="scheduler"))
+    try:
+        from_checkpoint(sched)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+    transformer = animate2_aliases(dict(WanAnimate2Transformer3DModel.load_config(where, subfolder="transformer")))
+    src = Source(
+        kind="", id=where, revision=None, location=where, dtype=dtype, transformer_config=transformer,
+        vae_config=dict(AutoencoderKLWan.load_config(where, subfolder="vae")),
+        text_encoder_config=UMT5Config.from_pretrained(where, subfolder="text_encoder").to_dict(),
+        scheduler_config=sched,
+        tokenizer_json=_tokenizer_json(AutoTokenizer.from_pretrained(where, subfolder="tokenizer")),
+        image_encoder_config=CLIPVisionConfig.from_pretrained(where, subfolder="image_encoder").to_dict(),
+        image_processor_config={})
+    src.model_kind = MODULAR_PIPELINES[pipeline]
+    check_consistent(src)
+    return src
+
+
 PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v", "WanVACEPipeline": "vace",
              "WanVideoToVideoPipeline": "v2v", "WanAnimatePipeline": "animate",
              "LucyEditPipeline": "lucy"}
@@ -351,6 +411,8 @@ PIPELINES.update(ChronoEditPipeline="chronoedit")
 # AnyFlow (runtime/kinds.py's anyflow row): a flow-map Wan 2.1 T2V; AnyFlowFARPipeline (its causal chunks with a KV
 # cache: the anyflow-far row, runtime/far.py) is a kind of its own.
 PIPELINES.update(AnyFlowPipeline="anyflow", AnyFlowFARPipeline="anyflow-far")
+# Wan-Animate 2 (runtime/kinds.py's animate-2 rows; runtime/animate2.py): modular pipelines (MODULAR_PIPELINES).
+PIPELINES.update(WanAnimate2ModularPipeline="animate-2", WanAnimate2DistilledModularPipeline="animate-2")
 
 
 def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transformer: dict[str, Any],
@@ -361,6 +423,8 @@ def detect_kind(pipeline: str, two_experts: bool, expand_timesteps: bool, transf
         return detect_skyreels(pipeline, two_experts, transformer, image_encoder, where)
     if PIPELINES[pipeline] == "helios":
         return detect_helios(pipeline, two_experts or image_encoder, options or {}, scheduler or {}, where)
+    if PIPELINES[pipeline] == "animate-2":
+        return MODULAR_PIPELINES[pipeline]
     if PIPELINES[pipeline] in ("anyflow", "anyflow-far"):
         if two_experts or image_encoder:
             raise UserError(f"{where}: AnyFlow with two experts or an image encoder is not a configuration wan-aot "
@@ -474,6 +538,7 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
         ChronoEditTransformer3DModel,
         HeliosTransformer3DModel,
         SkyReelsV2Transformer3DModel,
+        WanAnimate2Transformer3DModel,
         WanAnimateTransformer3DModel,
         WanTransformer3DModel,
         WanVACETransformer3DModel,
@@ -484,6 +549,7 @@ def _full_config(component: str, args: dict[str, Any]) -> dict[str, Any]:
            "helios_transformer": HeliosTransformer3DModel,
            "chronoedit_transformer": ChronoEditTransformer3DModel, "anyflow_transformer": AnyFlowTransformer3DModel,
            "anyflow_far_transformer": AnyFlowFARTransformer3DModel,
+           "animate2_transformer": WanAnimate2Transformer3DModel,
            "vae": AutoencoderKLWan}[component]
     params = inspect.signature(cls.__init__).parameters.values()
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}

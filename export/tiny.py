@@ -161,6 +161,20 @@ VARIANTS["tiny-anyflow-far"] = dict(
                      gate_value=0.25, deltatime_type="r", chunk_partition=(1, 2, 2, 2)),
     vae=_VAE, text_encoder=_UMT5, pipeline="anyflow-far", scheduler=dict(shift=5.0))
 
+# Wan-Animate 2 in miniature (WanAnimate2Transformer3DModel; diffusers ships it as modular pipelines only, saved with a
+# modular_model_index.json): ten blocks, so that the unconditional branch's skipped block 9 is in the model; its CLIP
+# is 1280 wide (the DiT's img_emb takes 1280 features) at 224x224 pixels (the blocks resize to 224), in 32x32 patches;
+# FlowMatchEulerDiscreteScheduler (the modular denoise loop passes its generator to `scheduler.step`).
+_ANIMATE2_DIT = dict(patch_size=(1, 2, 2), text_len=512, in_dim=36, dim=32, ffn_dim=32, freq_dim=256, text_dim=32,
+                     out_dim=16, num_heads=2, num_layers=10)
+_ANIMATE2_CLIP = dict(hidden_size=1280, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=224, patch_size=32, projection_dim=8, hidden_act="gelu")
+VARIANTS["tiny-animate-2"] = dict(transformer=_ANIMATE2_DIT, vae=_VAE, text_encoder=_UMT5, pipeline="animate-2",
+                                  image_encoder=_ANIMATE2_CLIP, scheduler=dict(shift=3.0))
+VARIANTS["tiny-animate-2-distilled"] = dict(VARIANTS["tiny-animate-2"], pipeline="animate-2-distilled",
+                                            scheduler=dict(shift=5.0))
+MODULAR = ("animate-2", "animate-2-distilled")  # pipelines built as diffusers' modular pipelines (build_modular)
+
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
 
 _WORDS = (
@@ -311,9 +325,50 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
     return cls(**parts)
 
 
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json()), pad_token="<pad>",
+                                   eos_token="</s>", unk_token="<unk>", model_max_length=512)
+
+
+def build_modular(variant: str | dict[str, Any]) -> Any:
+    """A Wan-Animate 2 modular pipeline (fp32, CPU) with seeded random weights, as diffusers' docs build one:
+    `WanAnimate2Blocks().init_pipeline()` (the distilled: `WanAnimate2DistilledBlocks`), then
+    `update_components(...)`; the image and video processors and the guider are the blocks' own defaults."""
+    import torch
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanAnimate2Transformer3DModel
+    from diffusers.modular_pipelines import WanAnimate2Blocks, WanAnimate2DistilledBlocks
+    from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+
+    spec = variant if isinstance(variant, dict) else VARIANTS[variant]
+    tokenizer = _tokenizer()
+    torch.manual_seed(0)
+    te = spec["text_encoder"]
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=te["d_model"], d_kv=te["d_kv"], d_ff=te["d_ff"],
+        num_layers=te["num_layers"], num_heads=te["num_heads"], relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )).eval()
+    torch.manual_seed(1)
+    transformer = WanAnimate2Transformer3DModel(**spec["transformer"]).eval()
+    torch.manual_seed(2)
+    vae = AutoencoderKLWan(**spec["vae"]).eval()
+    torch.manual_seed(4)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(**spec["image_encoder"])).eval()
+    blocks = WanAnimate2DistilledBlocks() if spec["pipeline"] == "animate-2-distilled" else WanAnimate2Blocks()
+    pipe = blocks.init_pipeline()
+    pipe.update_components(text_encoder=text_encoder, tokenizer=tokenizer, image_encoder=image_encoder, vae=vae,
+                           transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**spec["scheduler"]))
+    return pipe
+
+
 def save(variant: str, directory: Path) -> Path:
-    """Write the tiny pipeline to `directory` in diffusers format (safetensors), as `save_pretrained` does."""
-    pipe = build_pipeline(variant)
+    """Write the tiny pipeline to `directory` in diffusers format (safetensors), as `save_pretrained` does (a modular
+    pipeline's directory holds a modular_model_index.json instead of model_index.json)."""
+    pipe = build_modular(variant) if VARIANTS[variant].get("pipeline") in MODULAR else build_pipeline(variant)
     directory.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(str(directory), safe_serialization=True)
     return directory

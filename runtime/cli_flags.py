@@ -104,7 +104,7 @@ def _video_args(p: argparse.ArgumentParser, inputs: bool = True, settings: bool 
 
 def _loop_args(p: argparse.ArgumentParser) -> None:
     """Each loop's own flags, a group each (runtime/loop_settings.py)."""
-    for group in ("animate", "forcing", "helios", "chronoedit"):
+    for group in ("animate", "animate-2", "forcing", "helios", "chronoedit"):
         loop_settings.add_flags(p, group)
 
 

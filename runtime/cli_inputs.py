@@ -31,10 +31,17 @@ def loras_from_args(args: argparse.Namespace) -> list[tuple[Path, float]]:
 def loop_args(args: argparse.Namespace, kind: Any) -> dict[str, Any]:
     """The loops' own keywords of `generate`: the flags given (another kind's bundle refuses them in one line); for an
     any-length bundle (diffusion forcing, Helios) `--frames` is the video's length, and diffusion forcing tells its
-    DiT `--fps` too."""
+    DiT `--fps` too; Wan-Animate 2 resamples its driving video to `--fps` from `--driving-video-fps` (default: the
+    file's frame rate)."""
     out: dict[str, Any] = {}
-    for loop in ("forcing", "helios", "chronoedit"):
+    for loop in ("forcing", "helios", "chronoedit", "animate-2"):
         out.update(loop_settings.given(args, loop))
+    if kind.animate2:  # the video's frame rate, which the driving video is resampled to (from the file's own)
+        out.update(fps=getattr(args, "fps", None))
+        if out.get("driving_video_fps") is None and out.get("driving_video") is not None:
+            from .animate2_media import video_fps
+
+            out["driving_video_fps"] = video_fps(out["driving_video"])
     if kind.forcing:
         out.update(num_frames=getattr(args, "frames", None), fps=getattr(args, "fps", None))
     if kind.helios:

@@ -41,6 +41,13 @@ AnyFlow (NVIDIA; AnyFlowTransformer3DModel: Wan 2.1's DiT with a second time inp
     anyflow-far AnyFlowFARPipeline (causal chunks, each attending   nvidia/AnyFlow-FAR-Wan2.1-1.3B-Diffusers
                 to a KV cache of the chunks before; runtime/far.py)
 
+Wan-Animate 2 (WanAnimate2Transformer3DModel; diffusers 0.42.1 ships it as modular pipelines only, a directory with a
+modular_model_index.json):
+
+    animate-2            WanAnimate2ModularPipeline (a character image moved by a driving video, any length, in
+                         segments; runtime/animate2.py)
+    animate-2-distilled  WanAnimate2DistilledModularPipeline (the same, few steps, no CFG)
+
 Video-to-video (a `t2v` or `t2v-moe` bundle exported with the VAE encoder, `Manifest.video_to_video`) is a
 capability of those kinds, not a kind: the same DiT programs run from the video's noised latents.
 
@@ -92,6 +99,12 @@ Conditioning modes (how the image enters the denoising loop):
   the step of max(chunk_partition); the cache step the tokens of its largest prefix (diffusers re-encodes the whole
   prefix each chunk too). The query padding of diffusers' flex attention (unmasked zero keys up to a multiple of 128
   of the chunk's tokens) is reproduced exactly, as that many zero scores in the softmax. The loop is runtime/far.py.
+- "animate-2": a segment of Wan-Animate 2. The DiT input is [latents (z), mask (4), condition (z)] as "concat", over
+  one more latent frame first (the character image's slot, dropped before the decode); self-attention attends to the
+  segment's own tokens and, frame f >= 1, to the reference tokens of driving frame f - 1, whose keys (after RoPE) and
+  values `ref_cache` holds, (layers, 2, B, heads, tokens, head_dim), written once per segment by the `reference_step`
+  program (the driving segment under the reference prompt, kv_cache_mode "extract"), which takes it and returns it
+  (donated). The loop is runtime/animate2.py.
 """
 
 from __future__ import annotations
@@ -140,7 +153,7 @@ class Kind:
         """What the VAE encodes: "" (nothing), "image" (one frame) or "video" (the whole conditioning video)."""
         return {"none": "", "first_frame": "image", "concat": "video", "vace": "video",
                 "animate": "video", "video_concat": "video", "forcing": "video", "helios": "video",
-                "flowmap": "video", "far": "video"}[self.conditioning]
+                "flowmap": "video", "far": "video", "animate-2": "video"}[self.conditioning]
 
     @property
     def vace(self) -> bool:
@@ -165,7 +178,7 @@ class Kind:
                 "vace": ("control", "control_scale"), "animate": ("condition", "pose", "motion"),
                 "video_concat": ("condition",), "forcing": FORCING_INPUTS,
                 "helios": ("history", "cfg_mode"), "flowmap": ("condition", "mask", "r_timestep"),
-                "far": FAR_INPUTS}[self.conditioning]
+                "far": FAR_INPUTS, "animate-2": ("condition", "ref_cache")}[self.conditioning]
 
     @property
     def channel_condition(self) -> str:
@@ -173,13 +186,19 @@ class Kind:
         "" (nothing: the DiT sees the latents alone, or "first_frame"'s blend), "mask+latents" (the frame mask, then
         the conditioning video's latents: "concat", "animate") or "latents" (the source video's latents alone:
         "video_concat")."""
-        return {"concat": "mask+latents", "animate": "mask+latents", "video_concat": "latents"}.get(self.conditioning,
-                                                                                                     "")
+        return {"concat": "mask+latents", "animate": "mask+latents", "animate-2": "mask+latents",
+                "video_concat": "latents"}.get(self.conditioning, "")
 
     @property
     def animate(self) -> bool:
         """Wan-Animate: segments of a pose-driven video (runtime/animate.py), each one bundle shape."""
         return self.conditioning == "animate"
+
+    @property
+    def animate2(self) -> bool:
+        """Wan-Animate 2: segments of a driving video, each a reference pass into a cache, then steps attending to it
+        (runtime/animate2.py)."""
+        return self.conditioning == "animate-2"
 
     @property
     def forcing(self) -> bool:
@@ -233,13 +252,16 @@ class Kind:
             return "chronoedit"
         if self.far:
             return "far"
+        if self.animate2:
+            return "animate-2"
         return "animate" if self.animate else "forcing" if self.forcing else "helios" if self.helios else "segment"
 
     @property
     def variants(self) -> tuple[str, ...]:
         """The denoise variants (DENOISE_VARIANTS) a bundle of this kind holds: all, but diffusion forcing's steps have
         no MagCache ones (its per-frame timesteps give MagCache's per-step schedule nothing to go by)."""
-        return ("cfg", "cond") if self.forcing or self.helios or self.flow_map else tuple(DENOISE_VARIANTS)
+        return ("cfg", "cond") if self.forcing or self.helios or self.flow_map or self.animate2 else \
+            tuple(DENOISE_VARIANTS)
 
     @property
     def block_loop(self) -> bool:
@@ -247,7 +269,7 @@ class Kind:
         between the blocks (after every 5th), not in them, so each of its steps is one program; nor Helios' (its
         history tokens and their timestep-0 modulation are its own), one program per step too; nor AnyFlow's (its
         blocks are AnyFlowTransformer3DModel's, its time embedding two)."""
-        return not self.animate and not self.helios and not self.flow_map
+        return not self.animate and not self.helios and not self.flow_map and not self.animate2
 
     @property
     def kv_inputs(self) -> tuple[str, ...]:
@@ -287,6 +309,8 @@ class Kind:
                     for c in programs.CHUNKS[: 2 if encode == "video" and latent_frames > 1 else 1]]
         rows = [None, *(short_text_lengths(L) if short_prompts else ())]
         out += [Program.cross_kv(e, t) for e in range(self.experts) for t in rows]
+        if self.animate2:  # the reference pass, once per segment, before its steps
+            out.append(Program(programs.REFERENCE_STEP))
         out += [Program.denoise(e, v) for e in range(self.experts) for v in self.variants]
         if self.far:  # the KV cache's write after each chunk, with CFG (both halves) and without
             out += [Program(programs.CACHE_STEP, variant=v) for v in self.variants]
@@ -378,6 +402,16 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("anyflow-far", "AnyFlow-FAR (causal chunks with a KV cache; text, image or video context)", experts=1,
          image="optional", last_image=False, image_encoder=False, conditioning="far", steps=4, guidance=1.0,
          video="context", dit="anyflow-far"),
+    # Wan-Animate 2 (diffusers' WanAnimate2ModularPipeline): a character image moved by a driving video of any length,
+    # in segments of the bundle shape's frames (segment_frame_length); run defaults: the modular blocks' (40 steps,
+    # ClassifierFreeGuidance 3.0, 24 fps).
+    Kind("animate-2", "Wan-Animate 2 (a character from an image, moved by a driving video)", experts=1,
+         image="required", last_image=False, image_encoder=True, conditioning="animate-2", fps=24, steps=40,
+         guidance=3.0, dit="animate-2"),
+    # WanAnimate2DistilledModularPipeline: the same model distilled, 10 steps, no guidance.
+    Kind("animate-2-distilled", "Wan-Animate 2 distilled (few steps, no CFG)", experts=1, image="required",
+         last_image=False, image_encoder=True, conditioning="animate-2", fps=24, steps=10, guidance=1.0,
+         dit="animate-2"),
 )}
 
 

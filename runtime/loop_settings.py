@@ -93,7 +93,8 @@ class Setting:
 
 # What each loop is, as a refusal names it (runtime/front.py), in the order generate checks them.
 LOOP_TITLES = {"animate": "Wan-Animate models", "forcing": "diffusion forcing models (SkyReels-V2 DF)",
-               "helios": "Helios models", "chronoedit": "ChronoEdit models", "far": "AnyFlow-FAR models"}
+               "helios": "Helios models", "chronoedit": "ChronoEdit models", "far": "AnyFlow-FAR models",
+               "animate-2": "Wan-Animate 2 models"}
 
 # The command line's groups of loop flags: their titles (`python -m runtime generate --help`).
 GROUPS = {
@@ -105,11 +106,14 @@ GROUPS = {
                "--image, --last-image, or --video to extend)",
     "helios": "Helios (helios* bundles: --frames is the video's length, in chunks of the bundle's shape; --image, or "
               "--video to continue)",
+    "animate-2": "Wan-Animate 2 (animate-2 bundles: --image is the character, moved by --driving-video; the video has "
+                 "the driving video's length at --fps, made in segments of the shape's frames)",
     "chronoedit": "ChronoEdit (image-editing bundles: --image is edited as the prompt says; --out x.png writes the "
                   "edited image, the short video's last frame)",
 }
 
 _ANIMATE = ("animate",)
+_ANIMATE2 = ("animate-2",)
 _FORCING = ("forcing",)
 _HELIOS = ("helios",)
 _ANY_LENGTH = ("forcing", "helios")
@@ -219,8 +223,20 @@ SETTINGS: tuple[Setting, ...] = (
             maximum=lambda o: o.max_steps, default=lambda o: 1),
     _helios("is_amplify_first_chunk", _bool_flag("distilled bundles: the first chunk at twice the steps"),
             "boolean", "a distilled model's first chunk at twice the steps.", pyramid=True, default=lambda o: False),
-    # any length: the mp4's frame rate (diffusion forcing tells its DiT too)
-    Setting("fps", _ANY_LENGTH),
+    # Wan-Animate 2 (runtime/animate2.py), by the modular blocks' names
+    Setting("driving_video", _ANIMATE2, Flag("animate-2", "the driving video whose motion the character follows (mp4, "
+                                                          "webm, gif or a folder of frames; any length)", type=Path)),
+    Setting("prompt_ref", _ANIMATE2, Flag("animate-2", "the reference prompt of the driving video's pass (default "
+                                                       "人物动作的参考视频)", metavar="TEXT")),
+    Setting("prev_segment_conditioning_frames", _ANIMATE2,
+            Flag("animate-2", "frames each segment takes from the video made before it (default 1)", type=int,
+                 metavar="N")),
+    Setting("driving_video_fps", _ANIMATE2,
+            Flag("animate-2", "the driving video's frame rate, resampled to --fps by nearest frame (default: the "
+                              "file's; frames without one are used as they are)", type=float, metavar="FPS")),
+    # any length: the mp4's frame rate (diffusion forcing tells its DiT too; Wan-Animate 2 resamples the driving
+    # video to it)
+    Setting("fps", ("forcing", "helios", "animate-2")),
     # ChronoEdit (runtime/chronoedit.py)
     Setting("temporal_reasoning_steps", ("chronoedit",),
             Flag("chronoedit", "the first K steps reason over --frames frames (a frame count the bundle was exported "

@@ -23,7 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import adapters, animate, chronoedit, conditioning, decoding, far, forcing, front, helios, images, kinds, segment
+from . import (
+    adapters,
+    animate,
+    animate2,
+    chronoedit,
+    conditioning,
+    decoding,
+    far,
+    forcing,
+    front,
+    helios,
+    images,
+    kinds,
+    segment,
+)
 from . import manifest as mf
 from . import settings as st
 from . import shapes as sh
@@ -50,6 +64,7 @@ LOOPS: dict[str, Callable[..., np.ndarray]] = {
     "helios": helios.generate,
     "chronoedit": chronoedit.generate,
     "far": far.generate,
+    "animate-2": animate2.generate,
 }
 
 
@@ -192,6 +207,17 @@ class Pipeline:
         if media is not None:
             conditioning.check_videos(self.kind, self.manifest, g, media)
         pil = self._load_images(image, last_image)  # unreadable images fail before any program runs
+        out = self.encode_text(prompt, negative_prompt)
+        if pil:
+            out.update(self._encode_images(g, *pil))
+        if media is not None:
+            out.update(conditioning.encode_videos(self.kind, g, media["video"], media["mask"], media["references"],
+                                                  lambda name: self.call(name, g), fetch, self._encode_chunk(g)))
+        return out
+
+    def encode_text(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] = "") -> dict[str, Any]:
+        """The prompt and negative prompt embeddings alone, float32 (B, L, D), padded positions zero: `encode`'s text
+        (a loop that encodes its images itself, or a second text such as Wan-Animate 2's reference prompt)."""
         positive, negative = self.prompts(prompt, "prompt"), self.prompts(negative_prompt, "negative_prompt")
         ids, mask = self.tokenizer()(positive + negative, names=tx.names(positive, "prompt") +
                                      tx.names(negative, "negative prompt"))
@@ -200,13 +226,7 @@ class Pipeline:
         embeds = fetch(self.bundle.call(name)(ids[:, :n], mask[:, :n])).astype(np.float32)
         embeds = np.pad(embeds, ((0, 0), (0, ids.shape[1] - n), (0, 0)))  # padded positions are zero
         b = self.geometry.batch
-        out = {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
-        if pil:
-            out.update(self._encode_images(g, *pil))
-        if media is not None:
-            out.update(conditioning.encode_videos(self.kind, g, media["video"], media["mask"], media["references"],
-                                                  lambda name: self.call(name, g), fetch, self._encode_chunk(g)))
-        return out
+        return {"prompt_embeds": embeds[:b], "negative_prompt_embeds": embeds[b:]}
 
     def encode_images(self, image: ImageInput, last_image: ImageInput | None = None, size: Size = None,
                       frames: int | None = None) -> dict[str, np.ndarray]:
@@ -438,6 +458,9 @@ class Pipeline:
           `latents` (one initial noise per chunk), add_noise_to_image_latents, image_noise_sigma_min/max,
           add_noise_to_video_latents, video_noise_sigma_min/max, is_skip_first_chunk;
         - ChronoEdit (runtime/chronoedit.py `generate`): `image`, `temporal_reasoning_steps`;
+        - Wan-Animate 2 (runtime/animate2.py `generate`): `image` (the character), `driving_video` (any length),
+          `prompt_ref`, `prev_segment_conditioning_frames`, `driving_video_fps`, `fps`, `latents` (one initial noise
+          per segment);
         - AnyFlow-FAR (runtime/far.py `generate`): causal chunks with a KV cache; `image` (the first chunk's context),
           `video` (4k + 1 first frames as context), `latents` (the whole video's noise), `use_mean_velocity`,
           `prompt_changes` {chunk: prompt} (the cache re-encoded under it); `runtime.far.stream` yields the chunks.

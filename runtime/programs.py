@@ -12,6 +12,7 @@ rows, the pyramid stage, the shape) and asks for its `name`; a name read from a 
     cross_kv[_<expert+1>][_t<rows>]           an expert's cross-attention keys and values of a prompt (a short one's)
     denoise_step[_<expert+1>][_<variant>][_stage<k>][@shape]   a step (DENOISE_VARIANTS; a pyramid's lower stage k)
     cache_step[_cond][@shape]                 AnyFlow-FAR's KV cache write after a chunk (CFG's both halves, or not)
+    reference_step[@shape]                    Wan-Animate 2's reference pass: a driving segment's K/V into its cache
     vae_encode_<chunk>[@size], vae_decode_<chunk>[@size], tiny_decode_<chunk>[@size]   chunk "first" or "next"
 
 The shape suffix (manifest.shape_suffix) is "@<W>x<H>x<F>[r<R>]" for the programs of a non-default video shape,
@@ -36,6 +37,12 @@ CACHE_STEP = "cache_step"  # AnyFlow-FAR's KV cache write (variant "cfg" or "con
 # chunk (-1: empty), the prompt's cross-attention keys and values; the cache, taken and returned (donated).
 CACHE_STEP_INPUTS = ("latents", "frame_pos", "frame_chunk", "kv", "full_cache", "compressed_cache")
 CACHE_STEP_OUTPUTS = ("full_cache", "compressed_cache")
+REFERENCE_STEP = "reference_step"  # Wan-Animate 2's reference-extraction pass (export/animate2.py)
+# Its inputs and outputs in call order: the driving segment's DiT input, the reference prompt's cross-attention keys
+# and values; the reference cache, taken and returned (donated).
+REFERENCE_STEP_INPUTS = ("reference", "kv", "ref_cache")
+REFERENCE_STEP_OUTPUTS = ("ref_cache",)
+DONATED = (*CACHE_STEP_OUTPUTS, *REFERENCE_STEP_OUTPUTS)  # caches a program takes and returns (their buffers reused)
 CHUNKED = (VAE_ENCODE, VAE_DECODE, TINY_DECODE)  # programs per chunk of frames: "<base>_first", "<base>_next"
 CHUNKS = ("first", "next")
 
@@ -43,11 +50,12 @@ DIT_GROUPS = ("transformer", "transformer_2")  # the DiT experts' weight groups,
 
 # What a program's tensor shapes depend on (kinds.shape_scope): "" nothing, "size" width x height, "video" the shape.
 SCOPES = {TEXT_ENCODER: "", IMAGE_ENCODER: "", CROSS_KV: "", FACE_MOTION: "video", DENOISE: "video",
-          VAE_ENCODE: "size", VAE_DECODE: "size", TINY_DECODE: "size", CACHE_STEP: "video"}
+          VAE_ENCODE: "size", VAE_DECODE: "size", TINY_DECODE: "size", CACHE_STEP: "video",
+          REFERENCE_STEP: "video"}
 # The stage of a generation (kinds.PIPELINE_STAGES) each program runs in.
 PIPELINE_STAGE = {TEXT_ENCODER: "encode", IMAGE_ENCODER: "encode", VAE_ENCODE: "encode", CROSS_KV: "denoise",
                   FACE_MOTION: "denoise", DENOISE: "denoise", VAE_DECODE: "decode", TINY_DECODE: "decode",
-                  CACHE_STEP: "denoise"}
+                  CACHE_STEP: "denoise", REFERENCE_STEP: "denoise"}
 
 SHAPE_SEPARATOR = "@"  # a program of a bundle's other shapes: "<program>@<W>x<H>x<F>" or "<program>@<W>x<H>"
 STAGE_SUFFIX = "_stage"  # a Helios pyramid's lower stages' DiT programs: "<program>_stage<k>" (runtime/helios.py)
@@ -144,7 +152,7 @@ class Program:
     @property
     def group(self) -> str:
         """The weight group (the component) whose weights it takes."""
-        if self.base in (CROSS_KV, DENOISE, CACHE_STEP):
+        if self.base in (CROSS_KV, DENOISE, CACHE_STEP, REFERENCE_STEP):
             return DIT_GROUPS[self.expert]
         return {FACE_MOTION: "transformer", VAE_ENCODE: "vae", VAE_DECODE: "vae",
                 TINY_DECODE: "tiny_decoder"}.get(self.base, self.base)
@@ -161,7 +169,7 @@ class Program:
         """The program named `name` (as `name` writes it), or None where `name` is no program's name (a block loop's
         part file, say)."""
         body, _, shape = name.partition(SHAPE_SEPARATOR)
-        if body in (IMAGE_ENCODER, FACE_MOTION, TEXT_ENCODER):
+        if body in (IMAGE_ENCODER, FACE_MOTION, TEXT_ENCODER, REFERENCE_STEP):
             return cls(body, shape=shape)
         if body.startswith(TEXT_ENCODER + "_"):
             rows = _count(body.removeprefix(TEXT_ENCODER + "_"))

@@ -46,6 +46,8 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
                           ("state", "finite") + (("residual",) if variant.residual == "out" else ()))
     elif name.partition(kinds.SHAPE_SEPARATOR)[0] in (programs.CACHE_STEP, programs.CACHE_STEP + "_cond"):
         order = CallOrder(programs.CACHE_STEP_INPUTS, programs.CACHE_STEP_OUTPUTS)  # AnyFlow-FAR's KV cache write
+    elif kinds.base_program(name) == programs.REFERENCE_STEP:  # Wan-Animate 2's reference pass
+        order = CallOrder(programs.REFERENCE_STEP_INPUTS, programs.REFERENCE_STEP_OUTPUTS)
     elif name.startswith("vae_encode_"):
         order = CallOrder(("pixels", *caches_in), ("latents", *caches_out))
     elif name.startswith(("vae_decode_", "tiny_decode_")):
@@ -60,11 +62,11 @@ def call_order(name: str, kind: Kind, spec: mf.ProgramSpec) -> CallOrder:
 
 def donated(name: str, kind: Kind, spec: mf.ProgramSpec) -> tuple[int, ...]:
     """The positions (after the weights, argument 0) of program `name`'s inputs that it returns updated and whose
-    buffers it may reuse: AnyFlow-FAR's KV cache, which the cache write takes and returns (the caller drops what it
-    passed)."""
+    buffers it may reuse: AnyFlow-FAR's KV cache, which the cache write takes and returns, and Wan-Animate 2's
+    reference cache, which its reference pass does (the caller drops what it passed)."""
     order = call_order(name, kind, spec)
     return tuple(1 + i for i, n in enumerate(order.inputs)
-                 if n in programs.CACHE_STEP_OUTPUTS and n in order.outputs and spec.inputs[n] == spec.outputs[n])
+                 if n in programs.DONATED and n in order.outputs and spec.inputs[n] == spec.outputs[n])
 
 
 def _caches(names: dict[str, mf.TensorSpec]) -> tuple[str, ...]:

@@ -93,6 +93,8 @@ def _takes(kind: kinds.Kind) -> str:
     image = {"none": "", "optional": " [+ image]", "required": " + image"}[kind.image]
     video = {"none": "", "optional": " [+ video]", "required": " + video", "extend": " [+ video to extend]",
              "prefix": " [+ first frames to continue]", "context": " [+ video frames as context]"}[kind.video]
+    if kind.animate2:  # Wan-Animate 2's video is its own keyword (driving_video), not `video`
+        video = " + driving video"
     return "prompt" + image + (" + last image" if kind.last_image else "") + video
 
 

@@ -16,7 +16,7 @@ from runtime.pipeline import LOOPS
 from runtime.serve.request_fields import BY_NAME as FIELDS
 
 KIND_OF_LOOP = {"segment": "t2v", "animate": "animate", "forcing": "skyreels-df", "helios": "helios",
-                "chronoedit": "chronoedit", "far": "anyflow-far"}
+                "chronoedit": "chronoedit", "far": "anyflow-far", "animate-2": "animate-2"}
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
