@@ -79,9 +79,12 @@ def _precompile(plain: Path, out: Path) -> tuple[float, int]:
     """A copy of `plain` precompiled (once): the seconds `python -m export precompile` took, the executables' bytes."""
     import json
 
+    from runtime import manifest as mf
+
     done = out / "manifest.json"
     stamp = out.parent / f"{out.name}.seconds"
-    if not (done.is_file() and stamp.is_file() and json.loads(done.read_text()).get("executables")):
+    fresh = done.is_file() and stamp.is_file() and stamp.stat().st_mtime > (plain / "manifest.json").stat().st_mtime
+    if not (fresh and mf.read(out).executables):  # (an older schema's executables read as none: made anew)
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(plain, out)
         log(f"precompiling {out}")
