@@ -112,11 +112,11 @@ def run_module(*args: str, env: dict[str, str] | None = None, check: bool = True
     return proc
 
 
-def run_processes(args: list[str], processes: int = 2, devices: int = 4, timeout: float = 300) -> None:
+def run_processes(args: list[str], processes: int = 2, devices: int = 4, timeout: float = 300) -> list[str]:
     """`python -m runtime ARGS --coordinator ... --num-processes N --process-id i` for i < N, each with `devices`
     fake CPU devices, joined over loopback by jax.distributed. All are awaited together (their output to files: one
     blocked on a full pipe would hold the others in a collective) and all are killed if one fails or the time runs
-    out, so that no process outlives its test."""
+    out, so that no process outlives its test. Returns each process's stderr."""
     import socket
 
     with socket.socket() as s:
@@ -140,6 +140,7 @@ def run_processes(args: list[str], processes: int = 2, devices: int = 4, timeout
                     raise AssertionError(f"{processes} processes did not finish in {timeout:.0f} s; process {i}:\n"
                                          f"{errs[i].read_text()[-3000:]}") from None
                 assert code == 0, f"process {i} failed ({code}):\n{errs[i].read_text()[-3000:]}"
+            return [err.read_text() for err in errs]
         finally:
             for p in procs:
                 if p.poll() is None:

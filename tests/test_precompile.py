@@ -23,7 +23,7 @@ import pytest
 import runtime
 from runtime import manifest as mf
 
-from .conftest import in_parallel, run_cli, run_module
+from .conftest import devices_env, in_parallel, run_cli, run_module, run_processes
 from .test_lora_switch import make_adapter
 
 PROMPT, SEED, STEPS = "a lighthouse in a storm", 3, 2
@@ -201,3 +201,40 @@ def test_a_cuda_bundle_is_precompiled_only_where_its_gpus_are(tmp_path: Path) ->
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: --precompile compiles a cuda bundle only where its GPUs are")
     assert not (tmp_path / "cuda").exists()
+
+
+def _precompiled_cpu8(cpu8_bundle: Path, out: Path) -> Path:
+    shutil.copytree(cpu8_bundle, out)
+    run_module("export", "precompile", str(out), "-q", env=devices_env(8))
+    return out
+
+
+def test_sharded_executables_load_on_8_devices(cpu8_bundle: Path, tmp_path: Path) -> None:
+    """A cpu-8 bundle (dp, sp and tp of 2) precompiled with 8 devices: its sharded executables load (the shardings
+    read back from XLA's bytes) and make the plain bundle's frames."""
+    pre = _precompiled_cpu8(cpu8_bundle, tmp_path / "pre")
+    assert {(e.key.devices, e.key.processes) for e in mf.read(pre).executables} == {(8, 1)}
+    frames, logs = [], []
+    for bundle in (cpu8_bundle, pre):
+        proc = run_module("runtime", "generate", str(bundle), "--prompt", PROMPT, "--seed", str(SEED), "--steps",
+                          str(STEPS), "--out", str(tmp_path / f"{bundle.name}.mp4"), "--frames-out",
+                          str(tmp_path / f"{bundle.name}.safetensors"),
+                          env={**devices_env(8), "JAX_LOG_COMPILES": "1", "WAN_AOT_CACHE_DIR": str(tmp_path / "c")})
+        from safetensors.numpy import load_file
+
+        frames.append(load_file(str(tmp_path / f"{bundle.name}.safetensors"))["frames"])
+        logs.append(proc.stderr)
+    assert logs[0].count(COMPILED_PROGRAM) >= 7 and logs[1].count(COMPILED_PROGRAM) == 0 and WARNING not in logs[1]
+    np.testing.assert_array_equal(frames[0], frames[1])
+
+
+@pytest.mark.slow
+def test_two_processes_say_why_they_compile(cpu8_bundle: Path, tmp_path: Path) -> None:
+    """Executables compiled in one process are not a 2-process run's (each process holds 4 of the 8 devices): each
+    process says why in one line and compiles, and the video is made."""
+    pre = _precompiled_cpu8(cpu8_bundle, tmp_path / "pre")
+    logs = run_processes(["generate", str(pre), "--prompt", PROMPT, "--steps", "1", "--out", str(tmp_path / "v.mp4")])
+    assert (tmp_path / "v.mp4").is_file()
+    for text in logs:
+        said = [line for line in text.splitlines() if WARNING in line]
+        assert len(said) == 1 and "it was built for processes 1, this host has 2" in said[0], text[-2000:]
