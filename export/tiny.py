@@ -171,8 +171,9 @@ _ANIMATE2_CLIP = dict(hidden_size=1280, intermediate_size=16, num_hidden_layers=
                       image_size=224, patch_size=32, projection_dim=8, hidden_act="gelu")
 VARIANTS["tiny-animate-2"] = dict(transformer=_ANIMATE2_DIT, vae=_VAE, text_encoder=_UMT5, pipeline="animate-2",
                                   image_encoder=_ANIMATE2_CLIP, scheduler=dict(shift=3.0))
+# The distilled in two blocks (it runs no unconditional branch): what the tests run many segments of.
 VARIANTS["tiny-animate-2-distilled"] = dict(VARIANTS["tiny-animate-2"], pipeline="animate-2-distilled",
-                                            scheduler=dict(shift=5.0))
+                                            transformer={**_ANIMATE2_DIT, "num_layers": 2}, scheduler=dict(shift=5.0))
 MODULAR = ("animate-2", "animate-2-distilled")  # pipelines built as diffusers' modular pipelines (build_modular)
 
 VACE_GAIN = 8.0  # the tiny VACE models' VACE branch, made this much stronger than its random init (build_pipeline)
@@ -368,7 +369,10 @@ def build_modular(variant: str | dict[str, Any]) -> Any:
 def save(variant: str, directory: Path) -> Path:
     """Write the tiny pipeline to `directory` in diffusers format (safetensors), as `save_pretrained` does (a modular
     pipeline's directory holds a modular_model_index.json instead of model_index.json)."""
-    pipe = build_modular(variant) if VARIANTS[variant].get("pipeline") in MODULAR else build_pipeline(variant)
+    modular = VARIANTS[variant].get("pipeline") in MODULAR
+    pipe = build_modular(variant) if modular else build_pipeline(variant)
     directory.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(str(directory), safe_serialization=True)
+    # (a modular index pointing its components at the directory: what diffusers' save_pretrained now does by default)
+    pipe.save_pretrained(str(directory), safe_serialization=True, **({"overwrite_modular_index": True} if modular
+                                                                     else {}))
     return directory

@@ -20,6 +20,7 @@ segments, the CLIP pixels. Pure functions; runtime/animate2.py runs the loop on 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,10 @@ def video_fps(video: Any) -> float | None:
     try:
         import imageio.v2 as imageio
 
-        with imageio.get_reader(str(video)) as reader:
+        with warnings.catch_warnings():  # (imageio-ffmpeg forks ffmpeg and execs at once, as runtime/video_input.py)
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            reader = imageio.get_reader(str(video))
+        with reader:
             fps = reader.get_meta_data().get("fps")
     except Exception:  # noqa: BLE001  (unreadable files fail where the frames are read, in one line)
         return None
