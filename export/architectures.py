@@ -240,3 +240,6 @@ ARCHITECTURES["wan-animate-2-14b"] = dict(
     pipeline="WanAnimate2ModularPipeline", hub_id="a Wan-Animate 2 modular directory",
     transformer={}, vae={}, text_encoder=_UMT5_XXL, image_encoder=_CLIP_VIT_H, image_processor=_CLIP_PROCESSOR,
     scheduler=dict(_class_name="FlowMatchEulerDiscreteScheduler", num_train_timesteps=1000, shift=5.0))
+# The distilled (WanAnimate2DistilledModularPipeline): the same architecture, the kind animate-2-distilled.
+ARCHITECTURES["wan-animate-2-14b-distilled"] = dict(ARCHITECTURES["wan-animate-2-14b"],
+                                                    pipeline="WanAnimate2DistilledModularPipeline")

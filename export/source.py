@@ -243,6 +243,7 @@ def _open(model: str, dtype: str, revision: str | None) -> Source:
                                                       "AnyFlowPipeline": "anyflow_transformer",
                                                       "AnyFlowFARPipeline": "anyflow_far_transformer",
                                                       "WanAnimate2ModularPipeline": "animate2_transformer",
+                                                      "WanAnimate2DistilledModularPipeline": "animate2_transformer",
                                                       **dict.fromkeys(SKYREELS_PIPELINES, "skyreels_transformer")}.get(
                                                          arch["pipeline"], "transformer"), arch["transformer"]),
                      vae_config=_full_config("vae", arch["vae"]), text_encoder_config=dict(arch["text_encoder"]),

@@ -268,3 +268,36 @@ def test_bad_input_is_one_line_and_writes_nothing(bundles, tmp_path) -> None:
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
         assert not out.exists()
+
+
+@pytest.mark.slow
+def test_the_tiny_decoder_decodes_each_segment(tmp_path) -> None:
+    """--tiny-decoder on an animate-2 bundle: decoder="tiny" decodes each segment's latents (frame 0, the image's
+    slot, dropped) as TAEHV does, and the frames it carries into the next segment are those (a variant of the decode
+    the default tests run with the VAE)."""
+    import runtime
+
+    from . import taehv_reference as ref
+
+    dec = ref.make_file(tmp_path / "taew2_1.safetensors", 16, 1, (16, 8, 8, 8), dtype=torch.float16)
+    variant = "tiny-animate-2-distilled"
+    ckpt = shared(f"{variant}-checkpoint", lambda root: _build(variant).save_pretrained(
+        str(root / "ckpt"), overwrite_modular_index=True)) / "ckpt"
+    run_module("export", "--model", str(ckpt), "--resolution", f"{W}x{H}", "--frames", str(SEGMENT), "--dtype", "fp32",
+               "--max-sequence-length", str(TEXT), "--tiny-decoder", str(tmp_path / "taew2_1.safetensors"), "--out",
+               str(tmp_path / "b"), "-q")
+    pipe = runtime.load(tmp_path / "b")
+    seen: list[np.ndarray] = []
+    decode = pipe.decode
+
+    def recording(latents: np.ndarray, decoder: str = "full") -> np.ndarray:
+        assert decoder == "tiny"
+        seen.append(latents)
+        return decode(latents, decoder)
+
+    pipe.decode = recording
+    frames = pipe.generate(PROMPT, image=_image(), driving_video=_video(17), steps=1, decoder="tiny", progress=False)
+    assert frames.shape == (1, 17, H, W, 3) and len(seen) == 2 and seen[0].shape == (1, 16, 3, H // 8, W // 8)
+    taehv = [ref.decode(dec, torch.from_numpy(x).permute(0, 2, 1, 3, 4), 1).permute(0, 1, 3, 4, 2).numpy()
+             for x in seen]
+    assert np.abs(np.concatenate([taehv[0], taehv[1][:, 1:]], axis=1) - frames).max() < TOL
