@@ -54,9 +54,9 @@ atexit.register(shutil.rmtree, os.environ["WAN_AOT_STAMP_DIR"], True)
 # both workers finish together instead of one waiting for the other's last long file. test_faults is mostly waiting
 # (outages, leases): early, its idle seconds overlap the other worker's work instead of ending the run.
 HEAVY_FIRST = ("test_serve.py", "test_faults.py", "test_tpu_export.py", "test_savedmodel.py", "test_quantize.py",
-               "test_video_in.py", "test_animate.py", "test_fit.py", "test_precompile.py", "test_skyreels.py",
-               "test_shapes.py", "test_tiny_decoder.py", "test_attach.py", "test_bad_input.py", "test_lora.py",
-               "test_api_kinds.py", "test_cuda_export.py", "test_samplers.py", "test_lora_switch.py",
+               "test_video_in.py", "test_animate.py", "test_fit.py", "test_animate_2.py", "test_precompile.py",
+               "test_skyreels.py", "test_shapes.py", "test_tiny_decoder.py", "test_attach.py", "test_bad_input.py",
+               "test_lora.py", "test_api_kinds.py", "test_cuda_export.py", "test_samplers.py", "test_lora_switch.py",
                "test_replicas.py", "test_kinds.py", "test_anyflow_far.py", "test_helios.py", "test_realtime.py",
                "test_chronoedit.py")
 
