@@ -128,7 +128,7 @@ def generate(pipe: Pipeline, prompt: str | Sequence[str], negative_prompt: str |
     pil = driving_frames(driving_video, driving_video_fps, fps)
     g = pick_shape(pipe, character.size, size, frames)
     seg = media.segments(len(pil), g.frames, prev_segment_conditioning_frames)
-    s = pipe.settings(seed, steps, None if guidance is None else guidance, flow_shift, None, sampler, sigmas)
+    s = pipe.settings(seed, steps, guidance, flow_shift, None, sampler, sigmas)
     noise = initial_noise(latents, seg.count, g.latent_shape)
     ref_text = media.DEFAULT_PROMPT_REF if prompt_ref is None else prompt_ref
     pipe.prompts(ref_text, "prompt_ref")

@@ -1,12 +1,13 @@
 """Wan-Animate 2 (issue 73; kinds animate-2 and animate-2-distilled: export/animate2.py, runtime/animate2.py) against
 diffusers' modular pipelines (WanAnimate2ModularPipeline, WanAnimate2DistilledModularPipeline) on the same tiny random
-models (export/tiny.py tiny-animate-2: ten blocks, so CFG's unconditional branch skips block 9), fp32, 9-frame
-segments at 48x64, each segment's initial noise the one diffusers drew (its randn_tensor calls recorded), within
-1e-4: one segment with guidance and a negative prompt; three segments carrying 1 frame, the driving video not ending
-on a segment boundary; two carrying 5; five carried over three segments, where diffusers fails and the runtime runs
-(its first two segments diffusers' own); a driving video at another frame rate, resampled, and shorter than a
-segment; the distilled pipeline. The inputs' preparation against the blocks that prepare them; the CLI, and its bad
-input in one line."""
+models (export/tiny.py tiny-animate-2: ten blocks, so CFG's unconditional branch skips block 9; the distilled in two,
+which the segment tests run), fp32, 9-frame segments at 32x48, each segment's initial noise the one diffusers drew
+(its randn_tensor calls recorded), within 1e-4: one segment with guidance and a negative prompt; three segments
+carrying 1 frame, the driving video not ending on a segment boundary; two carrying 5; five carried over three
+segments, where diffusers fails and the runtime runs (its first two segments diffusers' own); a driving video at
+another frame rate, resampled, and shorter than a segment; the distilled pipeline. A driving video shorter than half
+a segment, where diffusers fails, runs. The inputs' preparation against the blocks that prepare them; the CLI, and
+its bad input in one line."""
 
 from __future__ import annotations
 
@@ -171,6 +172,26 @@ def test_a_driving_video_at_another_fps_shorter_than_a_segment(pipes, references
     theirs, noise = _diffusers(references["distilled"], _video(10), driving_video_fps=30.0, fps=24)
     assert theirs.shape[1] == 8
     _close(_ours(pipes["distilled"], _video(10), noise, driving_video_fps=30.0, fps=24), theirs)
+
+
+def test_a_driving_video_shorter_than_half_a_segment(pipes) -> None:
+    """3 frames need 6 of padding: diffusers' mirror slice gives 3 and it fails (the slow test below); the runtime
+    mirrors back and forth ([0 1 2 | 2 1 0 0 1 2]) and makes 3 frames. A video no longer than the frames carried
+    makes no segment (diffusers fails at its end): refused in one line."""
+    from runtime.errors import UserError
+
+    ours = _ours(pipes["distilled"], _video(3), [np.zeros((16, 4, H // 8, W // 8), np.float32)])
+    assert ours.shape == (1, 3, H, W, 3) and np.isfinite(ours).all()
+    with pytest.raises(UserError, match=r"the driving video has 1 frame \(after resampling to the fps\): it needs "
+                                        r"more than prev_segment_conditioning_frames \(1\)"):
+        _ours(pipes["distilled"], _video(1), None)
+
+
+@pytest.mark.slow
+def test_diffusers_fails_with_a_driving_video_shorter_than_half_a_segment(references) -> None:
+    """What the default test above says of diffusers 0.42.1."""
+    with pytest.raises(ValueError, match="Each sample must hold exactly `seq_len`"):
+        _diffusers(references["distilled"], _video(3))
 
 
 def test_the_distilled_pipeline(pipes, references) -> None:
