@@ -79,12 +79,17 @@ def read_video_bytes(data: bytes, what: str) -> list[Any]:
 
     from ..video_input import load_frames
 
-    suffix = ".gif" if data[:4] == b"GIF8" else ".webm" if data[:4] == b"\x1a\x45\xdf\xa3" else ".mp4"
     with tempfile.TemporaryDirectory(prefix="wan-aot-upload-") as tmp:
-        path = Path(tmp) / f"{what}{suffix}"
+        path = Path(tmp) / f"{what}{video_suffix(data)}"
         path.write_bytes(data)
         frames = load_frames(path, what)
         return [f.copy() for f in frames]
+
+
+def video_suffix(data: bytes) -> str:
+    """The file name suffix an uploaded video's bytes are read under: its container's (GIF, WebM / Matroska), else
+    .mp4 (MP4 / MOV), so that the reader picks the plugin for it."""
+    return ".gif" if data[:4] == b"GIF8" else ".webm" if data[:4] == b"\x1a\x45\xdf\xa3" else ".mp4"
 
 
 def decode_data_url(name: str, value: str) -> bytes:

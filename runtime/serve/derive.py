@@ -83,9 +83,10 @@ REMAKES: tuple[Way, ...] = (
     Way("video_to_video", lambda k, vtv: vtv, noised=True),  # (no other conditioning: the run's `video_latents`)
     # (diffusion forcing and Helios have no SDEdit start: their remakes are refused, their extensions are their own;
     # ChronoEdit's videos are an image edit's frames, its loop takes no source video: neither remade nor extended;
-    # AnyFlow-FAR's chunks start from their own noise, its image is the first chunk's context: no SDEdit start)
+    # AnyFlow-FAR's chunks start from their own noise, its image is the first chunk's context: no SDEdit start;
+    # Wan-Animate 2's video is its driving video's motion, which went with the source job, as Wan-Animate's)
     Way("image", lambda k, vtv: k.image != "none" and k.vae_encode == "video" and not k.animate and not k.any_length
-        and not k.chronoedit and not k.far, noised=True, image="first"),
+        and not k.chronoedit and not k.far and not k.animate2, noised=True, image="first"),
     Way("vace", lambda k, vtv: k.vace, noised=True),
     Way("first_frame", lambda k, vtv: k.conditioning == "first_frame", image="first"),
     Way("regenerate", lambda k, vtv: k.conditioning == "none", settings_only=True),
@@ -94,7 +95,8 @@ EXTENDS: tuple[Way, ...] = (
     Way("forcing", lambda k, vtv: k.forcing),  # the overlap is the run's overlap_history (`extend`)
     Way("helios", lambda k, vtv: k.helios),  # the source continued in chunks: nothing shared
     Way("image", lambda k, vtv: k.image != "none" and not k.last_image and not k.animate and not k.chronoedit
-        and not k.far, image="last", overlap=lambda frames: 1),  # (AnyFlow-FAR continues a video as its context)
+        and not k.far and not k.animate2, image="last", overlap=lambda frames: 1),  # (AnyFlow-FAR continues a video
+    # as its context; Wan-Animate 2 as long as a driving video)
     Way("vace", lambda k, vtv: k.vace, overlap=vace_overlap),
 )
 

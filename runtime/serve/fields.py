@@ -78,8 +78,9 @@ class Offer:
 
     @property
     def takes_video(self) -> bool:
-        """Some upload is a video (input_reference, or Wan-Animate's pose and face videos)."""
-        return self.video_reference or self.kind.animate
+        """Some upload is a video (input_reference, Wan-Animate's pose and face videos, Wan-Animate 2's driving
+        video)."""
+        return self.video_reference or self.kind.animate or self.kind.animate2
 
     @property
     def max_body_bytes(self) -> int:

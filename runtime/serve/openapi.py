@@ -114,6 +114,9 @@ class Model(_Strict):
     mask: bool = Field(description="takes a mask video (VACE)")
     animate: bool = Field(description="Wan-Animate: takes pose_video and face_video (and for replace "
                                       "background_video, mask_video); the video is as long as the pose video")
+    animate_2: bool = Field(description="Wan-Animate 2: takes driving_video (and the character as input_reference); "
+                                        "the video is as long as the driving video at the request's fps, at the "
+                                        "image's aspect (`size` is an area)")
     forcing: bool = Field(description="diffusion forcing (SkyReels-V2 DF): `seconds` of any duration up to "
                                       "max_seconds, made in overlapping segments; extends videos")
     helios: bool = Field(description="Helios: `seconds` of any duration up to max_seconds, made in chunks of the "

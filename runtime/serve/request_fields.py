@@ -13,13 +13,36 @@ from .fields import FLOW_SHIFT, MAX_FPS, MAX_PROMPT_CHARS, NOT_BLANK, SIGMA_MIN,
 
 # What offers a loop's settings: a bundle whose kind runs that loop.
 _OFFERED_BY = {"animate": lambda o: o.kind.animate, "forcing": lambda o: o.kind.forcing,
-               "helios": lambda o: o.kind.helios}
+               "helios": lambda o: o.kind.helios, "animate-2": lambda o: o.kind.animate2}
+
+_ANIMATE2 = "Wan-Animate 2 models"
+# Wan-Animate 2's fields, until runtime/loop_settings.py's rows carry them (its `Api`s, asked for there): a row of the
+# table that has its own `api` wins, so these go once it does.
+INTERIM_API: dict[str, loop_settings.Api] = {
+    "driving_video": loop_settings.Api(
+        "file", "Wan-Animate 2: the driving video whose motion the character follows (mp4, webm, gif), of any length: "
+        "the video is as long (resampled to fps from driving_video_fps), made in segments of the size's frames.",
+        _ANIMATE2, keywords={"accepts": lambda o: "video"}),
+    "prompt_ref": loop_settings.Api(
+        "string", "Wan-Animate 2: the prompt of the driving video's reference pass (default 人物动作的参考视频, \"a "
+        "reference video of the person's motion\").", _ANIMATE2,
+        keywords={"max_length": MAX_PROMPT_CHARS, "default": loop_settings.const("animate2_media",
+                                                                                  "DEFAULT_PROMPT_REF")}),
+    "prev_segment_conditioning_frames": loop_settings.Api(
+        "integer", "Wan-Animate 2: the frames each segment takes from the video made before it (fewer than the "
+        "size's frames).", _ANIMATE2,
+        keywords={"minimum": 0, "maximum": lambda o: max(n for _, n in o.shapes) - 1, "default": lambda o: 1}),
+    "driving_video_fps": loop_settings.Api(
+        "number", "Wan-Animate 2: the driving video's frame rate, from which it is resampled to fps (nearest frame); "
+        "left out, the file's own (a file that says none is taken frame for frame).", _ANIMATE2,
+        keywords={"minimum": 0, "exclusive_minimum": True, "maximum": 1000}),
+}
 
 
 def _loop_field(s: loop_settings.Setting) -> Field:
     """A loop's setting (runtime/loop_settings.py) as a field: offered by bundles of the loops that take it (a Helios
     pyramid's by pyramid bundles only), refused elsewhere naming what takes it."""
-    api = s.api
+    api = s.api or INTERIM_API[s.name]
     kw: dict[str, Any] = dict(api.keywords)
     loop = next((loop for loop in s.loops if loop in _OFFERED_BY), None)
     if "offered" not in kw:
@@ -33,7 +56,7 @@ def _loop_field(s: loop_settings.Setting) -> Field:
 def loop_fields(loop: str | None = None) -> tuple[Field, ...]:
     """The fields of the loops' settings that the API takes (those of `loop`, or all), in the table's order."""
     return tuple(_loop_field(s) for s in loop_settings.SETTINGS
-                 if s.api is not None and (loop is None or loop in s.loops))
+                 if (s.api is not None or s.name in INTERIM_API) and (loop is None or loop in s.loops))
 
 
 def _two_experts(offer: Offer) -> bool:
@@ -51,19 +74,24 @@ FIELDS: tuple[Field, ...] = (
     Field("model", "string", "The bundle served here, by its directory name or its bundle_id (GET /v1/models).",
           enum=lambda o: list(o.models), default=lambda o: o.models[0],
           mismatch="model {value!r} is not served here: this server runs {choices} (or leave model out)"),
-    Field("size", "string", "Width x height, one of the bundle's resolutions (GET /v1/models lists its shapes).",
+    Field("size", "string", "Width x height, one of the bundle's resolutions (GET /v1/models lists its shapes). "
+          "Wan-Animate 2 bundles make the video at the character image's aspect ratio: `size` is the area asked for, "
+          "and the frame size that aspect makes at it must be one of the bundle's (left out: the first size whose "
+          "area does).",
           param="size", enum=lambda o: o.sizes, default=lambda o: o.sizes[0],
           mismatch="size {value!r} is not one this bundle makes: it makes {choices}"),
     Field("seconds", "string", "The duration, one of those GET /v1/models lists for the size (frames at the "
           "bundle's frame rate); left out, the default shape's frame count. `fps` sets the rate the mp4 plays at, "
           "not the frame count. Diffusion forcing bundles make any duration up to the server's max_seconds (GET "
           "/v1/models), in overlapping segments of the size's longest shape; Helios bundles too, in chunks of the "
-          "size's shape (rounded up to whole chunks).", offered=lambda o: not o.kind.animate,
-          refusal=lambda o: "a Wan-Animate video is as long as its pose video: leave seconds out"),
+          "size's shape (rounded up to whole chunks).", offered=lambda o: not o.kind.animate and not o.kind.animate2,
+          refusal=lambda o: "a Wan-Animate 2 video is as long as its driving video (at fps): leave seconds out"
+          if o.kind.animate2 else "a Wan-Animate video is as long as its pose video: leave seconds out"),
     Field("input_reference", "file", "The first frame (image-to-video bundles; PNG, JPEG, WebP, ...), the "
-          "character (Wan-Animate bundles), or the control or source video (VACE and video-to-video bundles, and "
-          "Lucy Edit bundles, which need it: the video to edit; mp4, webm, gif): its frame count picks the video's "
-          "frames.",
+          "character (Wan-Animate and Wan-Animate 2 bundles: Wan-Animate 2 makes the video at the image's aspect, at "
+          "the area of `size`, and crops it to the image), or the control or source video (VACE and video-to-video "
+          "bundles, and Lucy Edit bundles, which need it: the video to edit; mp4, webm, gif): its frame count picks "
+          "the video's frames.",
           offered=lambda o: o.kind.image != "none" or o.takes_video,
           accepts=lambda o: "video" if o.video_reference else "image",
           refusal=lambda o: f"this bundle is {o.kind.title}: it takes no image or video (export an image-to-video, "
@@ -105,7 +133,8 @@ FIELDS: tuple[Field, ...] = (
           "times faster, coarser).", param="decoder", enum=lambda o: ["full", "tiny"], default=lambda o: "full",
           mismatch="decoder {value!r} is not one of {choices}", offered=lambda o: o.tiny_decoder,
           refusal=lambda o: "this bundle has no tiny decoder (export it with --tiny-decoder FILE): leave decoder out"),
-    Field("fps", "integer", "The frame rate the mp4 plays at.", param="fps", minimum=1, maximum=MAX_FPS,
+    Field("fps", "integer", "The frame rate the mp4 plays at (Wan-Animate 2: also the rate its driving video is "
+          "resampled to).", param="fps", minimum=1, maximum=MAX_FPS,
           default=lambda o: o.defaults.fps),
     Field("lora", "loras", "LoRA adapters to run with, from those GET /v1/models lists: each {\"name\", \"scale\"} "
           "(scale in -4..4, default 1), on two-expert bundles with \"expert\": \"high\" or \"low\" (default: the "

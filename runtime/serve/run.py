@@ -107,6 +107,19 @@ def run_job(pipe: Any, params: dict[str, Any], image_bytes: list[bytes], video: 
         if video is not None:
             write_video(frames, video, fps=params["fps"])
         return frames
+    if pipe.kind.animate2:  # the driving video's segments, each streamed as decoded: runtime/animate2.py
+        check()
+        frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
+                               driving_video=media.get("driving_video"), prompt_ref=params.get("prompt_ref"),
+                               prev_segment_conditioning_frames=params["prev_segment_conditioning_frames"],
+                               driving_video_fps=params.get("driving_video_fps"), fps=params["fps"], seed=s.seed,
+                               steps=s.steps, guidance=s.guidance, flow_shift=s.flow_shift, sampler=s.sampler,
+                               sigmas=s.sigmas, progress=False, size=params.get("area"), on_step=steps_done,
+                               on_preview=on_preview, decoder=params.get("decoder") or "full", on_frames=on_frames)[0]
+        stage_done("decode")
+        if video is not None:
+            write_video(frames, video, fps=params["fps"])
+        return frames
     if pipe.kind.animate:  # every segment: runtime/animate.py
         frames = pipe.generate(params["prompt"], params["negative_prompt"], image=media.get("image"),
                                pose_video=media.get("pose_video"), face_video=media.get("face_video"),

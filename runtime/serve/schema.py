@@ -10,7 +10,8 @@ load. The body itself is read by body.py. Their names are importable from here t
 
 The rules one field cannot state alone are kept beside the schema that states them: `seconds` is one of the
 durations of the request's `size` (`_frames`, `_seconds_schema`), and the images a kind needs
-(`kinds.check_images`; `required` in the document).
+(`kinds.check_images`; `required` in the document); a Wan-Animate 2 request's driving video, frame size and segments
+are checked in animate2_request.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from .. import animate, forcing, helios, kinds
 from ..errors import UserError
+from . import animate2_request
 from .body import (
     Body,
     check_image,
@@ -78,6 +80,8 @@ def body_schema(offer: Offer, form: bool) -> dict[str, Any]:
         required += ["input_reference"]
     if offer.kind.animate:
         required += ["pose_video", "face_video"]
+    if offer.kind.animate2:  # the character (input_reference, required as the kind's image) and its driving video
+        required += ["driving_video"]
     schema: dict[str, Any] = {"type": "object", "properties": {f.name: f.schema(offer, form) for f in fields},
                               "required": required, "additionalProperties": False}
     # The rules between fields, as alternatives (anyOf, all of them holding: allOf) rather than not / if-then-else,
@@ -118,8 +122,8 @@ def _seconds_schema(offer: Offer, seconds: dict[str, Any]) -> dict[str, Any]:
 # them): jobs queued before videos carry no names, their files being [first image, last image].
 MEDIA_ROLES = {"input_reference": "image", "last_image": "last_image", "mask": "mask",
                "reference_image": "reference_image", "pose_video": "pose_video", "face_video": "face_video",
-               "background_video": "background_video", "mask_video": "mask_video"}
-VIDEO_ROLES = ("video", "mask", "pose_video", "face_video", "background_video", "mask_video")
+               "background_video": "background_video", "mask_video": "mask_video", "driving_video": "driving_video"}
+VIDEO_ROLES = ("video", "mask", "pose_video", "face_video", "background_video", "mask_video", "driving_video")
 
 
 def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] | None,
@@ -168,6 +172,7 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
         except UserError as e:
             raise ApiError(400, str(e), "pose_video" if "pose video" in str(e) else "prev_segment_frames") from None
         params["seconds"] = seconds_of(segments.frames, params["fps"])
+    driving = animate2_request.plan(params, values, body.files, media, offer, pipe) if offer.kind.animate2 else None
     params["magcache"] = magcache
     params["media"] = [MEDIA_ROLES[name] if not (name == "input_reference" and offer.video_reference) else "video"
                        for name in FILE_FIELDS for _ in body.files.get(name, [])]
@@ -200,6 +205,10 @@ def parse_request(body: Body, offer: Offer, pipe: Any, magcache: dict[str, Any] 
         raise ApiError(400, f"{segments.count} segments of {s.steps} steps are {segments.count * s.steps} steps, more "
                             f"than this server runs ({offer.max_steps}): a shorter pose video or fewer steps",
                        "pose_video")
+    if driving is not None and driving.count * s.steps > offer.max_steps:  # every segment's steps
+        raise ApiError(400, f"{driving.count} segments of {s.steps} steps are {driving.count * s.steps} steps, more "
+                            f"than this server runs ({offer.max_steps}): a shorter driving video, a lower fps or fewer "
+                            "steps", "driving_video")
     if offer.kind.forcing:  # the segment plan this length makes on the bundle's shapes, and its steps
         if "last_image" in body.files and "input_reference" not in body.files:
             raise ApiError(400, "last_image needs the first frame too (input_reference)", "last_image")
