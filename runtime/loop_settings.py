@@ -114,6 +114,7 @@ GROUPS = {
 
 _ANIMATE = ("animate",)
 _ANIMATE2 = ("animate-2",)
+_ANIMATE2_MODELS = "Wan-Animate 2 models"
 _FORCING = ("forcing",)
 _HELIOS = ("helios",)
 _ANY_LENGTH = ("forcing", "helios")
@@ -225,15 +226,28 @@ SETTINGS: tuple[Setting, ...] = (
             "boolean", "a distilled model's first chunk at twice the steps.", pyramid=True, default=lambda o: False),
     # Wan-Animate 2 (runtime/animate2.py), by the modular blocks' names
     Setting("driving_video", _ANIMATE2, Flag("animate-2", "the driving video whose motion the character follows (mp4, "
-                                                          "webm, gif or a folder of frames; any length)", type=Path)),
+                                                          "webm, gif or a folder of frames; any length)", type=Path),
+            Api("file", "Wan-Animate 2: the driving video whose motion the character follows (mp4, webm, gif), of any "
+                "length: the video is as long (resampled to fps from driving_video_fps), made in segments of the "
+                "size's frames.", _ANIMATE2_MODELS, keywords={"accepts": lambda o: "video"})),
     Setting("prompt_ref", _ANIMATE2, Flag("animate-2", "the reference prompt of the driving video's pass (default "
-                                                       "人物动作的参考视频)", metavar="TEXT")),
+                                                       "人物动作的参考视频)", metavar="TEXT"),
+            Api("string", "Wan-Animate 2: the prompt of the driving video's reference pass (default 人物动作的参考视频, "
+                "\"a reference video of the person's motion\").", _ANIMATE2_MODELS,
+                keywords={"max_length": 20_000, "default": const("animate2_media", "DEFAULT_PROMPT_REF")})),
     Setting("prev_segment_conditioning_frames", _ANIMATE2,
             Flag("animate-2", "frames each segment takes from the video made before it (default 1)", type=int,
-                 metavar="N")),
+                 metavar="N"),
+            Api("integer", "Wan-Animate 2: the frames each segment takes from the video made before it (fewer than "
+                "the size's frames).", _ANIMATE2_MODELS,
+                keywords={"minimum": 0, "maximum": lambda o: max(n for _, n in o.shapes) - 1,
+                          "default": lambda o: 1})),
     Setting("driving_video_fps", _ANIMATE2,
             Flag("animate-2", "the driving video's frame rate, resampled to --fps by nearest frame (default: the "
-                              "file's; frames without one are used as they are)", type=float, metavar="FPS")),
+                              "file's; frames without one are used as they are)", type=float, metavar="FPS"),
+            Api("number", "Wan-Animate 2: the driving video's frame rate, from which it is resampled to fps (nearest "
+                "frame); left out, the file's own (a file that says none is taken frame for frame).",
+                _ANIMATE2_MODELS, keywords={"minimum": 0, "exclusive_minimum": True, "maximum": 1000})),
     # any length: the mp4's frame rate (diffusion forcing tells its DiT too; Wan-Animate 2 resamples the driving
     # video to it)
     Setting("fps", ("forcing", "helios", "animate-2")),
