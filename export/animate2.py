@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime import programs as prog
 from runtime import scheduler as sched
+from runtime.errors import UserError
 from runtime.kinds import DENOISE_VARIANTS, DenoiseVariant
 from runtime.manifest import Geometry, TensorSpec
 
@@ -215,6 +216,15 @@ class _Model:
             if uncond_from is not None and i == SKIPPED_UNCOND_BLOCK:
                 hidden = torch.cat([hidden[:uncond_from], before[uncond_from:]])
         return hidden
+
+
+def check_text(module: Any, max_sequence_length: int) -> None:
+    """The DiT pads the prompt to its text_len and takes no longer one (diffusers fails on it): refuse a longer
+    --max-sequence-length in one line."""
+    text_len = int(module.config.text_len)
+    if max_sequence_length > text_len:
+        raise UserError(f"this Wan-Animate 2 DiT takes prompts of at most {text_len} tokens (its text_len): export "
+                        f"with --max-sequence-length {text_len} or less")
 
 
 def build_cross_kv(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:

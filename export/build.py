@@ -281,6 +281,7 @@ def _dit_expert(b: _Build, group: str, todo: Todo) -> None:
                                 [p for p, pg in todo if pg == g and p.base != programs.CROSS_KV], b.s.target.mesh)
         return
     if b.kind.animate2:  # Wan-Animate 2: cross_kv, then the reference pass and the steps (export/animate2.py)
+        animate2.check_text(ex.module, b.geo.max_sequence_length)
         for p, _ in todo:
             if p.base == programs.CROSS_KV:
                 b.files.add_program(p.name, group, animate2.build_cross_kv(ex, b.model_dtype),
