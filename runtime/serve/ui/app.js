@@ -82,10 +82,15 @@ function showModel(card) {
   $("strength-field").hidden = !card.video_to_video;
   $("conditioning-field").hidden = !card.mask;
   $("image-field").hidden = card.image === "none";
-  $("image-label").textContent = card.animate ? "Character image" : "Image (first frame)";
+  $("image-label").textContent = card.animate || card.animate_2 ? "Character image" : "Image (first frame)";
   $("animate-fields").hidden = !card.animate;
   $("pose-video").required = $("face-video").required = Boolean(card.animate);
-  $("duration-field").hidden = Boolean(card.animate || card.forcing || card.helios); // pose video's; any length
+  $("animate2-fields").hidden = !card.animate_2;
+  $("driving-video").required = Boolean(card.animate_2);
+  $("a2-fps").placeholder = String(card.fps);
+  $("a2-prev").max = String(Math.max(...card.shapes.map((s) => s.frames)) - 1);
+  // the pose or driving video's length; any length
+  $("duration-field").hidden = Boolean(card.animate || card.animate_2 || card.forcing || card.helios);
   $("forcing-fields").hidden = !card.forcing;
   $("helios-fields").hidden = !card.helios;
   $("pyramid-field").hidden = !(card.helios && card.pyramid > 1);
@@ -353,6 +358,8 @@ async function generate(event) {
   if (model.animate) {
     fields.mode = $("mode").value;
     fields.prev_segment_frames = Number($("prev-frames").value);
+  } else if (model.animate_2) { // as long as the driving video: no seconds; an empty box is the server's default
+    if ($("prompt-ref").value !== "") fields.prompt_ref = $("prompt-ref").value;
   } else if (model.forcing) {
     if ($("df-seconds").value !== "") fields.seconds = $("df-seconds").value;
   } else if (model.helios) {
@@ -368,6 +375,10 @@ async function generate(event) {
   if (model.experts > 1) numbers.guidance_scale_2 = "guidance-2";
   if (model.video_to_video) numbers.strength = "strength";
   if (model.mask) numbers.conditioning_scale = "conditioning";
+  if (model.animate_2) {
+    Object.assign(numbers, { fps: "a2-fps", driving_video_fps: "driving-fps",
+      prev_segment_conditioning_frames: "a2-prev" });
+  }
   if (model.forcing) {
     Object.assign(numbers, { overlap_history: "overlap-history", ar_step: "ar-step", causal_block_size: "causal-block",
       addnoise_condition: "addnoise" });
@@ -386,6 +397,7 @@ async function generate(event) {
   // files: the first frame or the video go in input_reference
   const files = [["input_reference", $("image")], ["input_reference", $("video")], ["last_image", $("last-image")],
     ["mask", $("mask")], ...[...$("references").files].map((f) => ["reference_image", { files: [f] }])];
+  if (model.animate_2) files.push(["driving_video", $("driving-video")]);
   if (model.animate) {
     files.push(["pose_video", $("pose-video")], ["face_video", $("face-video")]);
     if ($("mode").value === "replace") {
@@ -445,7 +457,8 @@ function updateItem(li, job) {
   else if (job.status !== "in_progress") dropPreview(li);
   // A segment kind's running job plays as it is made: each segment's (Helios: chunk's) frames join its live stream
   // once decoded.
-  if (job.status === "in_progress" && model && (model.forcing || model.animate || model.helios)) showLive(li, job);
+  const segmented = model && (model.forcing || model.animate || model.animate_2 || model.helios);
+  if (job.status === "in_progress" && segmented) showLive(li, job);
   else if (job.status !== "in_progress") dropLive(li);
   if (job.status === "completed" && !li.querySelector("video:not(.live), img.edited")) showVideo(li, job);
 }
