@@ -27,6 +27,7 @@ sys.path.insert(2 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pa
 
 from benchmarks import (  # noqa: E402
     animate,
+    animate2,
     cancel,
     decoders,
     e2e,
@@ -66,6 +67,8 @@ MEASURES = {  # name: (module, the question it answers)
     "speedups": (speedups, "CFG-free steps and MagCache: speed-up and fidelity"),
     "vace": (vace, "what VACE's branch costs a denoising step, against text-to-video at the same shape"),
     "animate": (animate, "Wan-Animate: a video of 1, 2 and 4 segments, and where a segment's time goes"),
+    "animate2": (animate2, "Wan-Animate 2 beside Wan-Animate at the same widths: time per segment, where it goes, "
+                           "the reference pass's share"),
     "forcing": (forcing, "diffusion forcing: a video of 1, 2 and 4 segments; the asynchronous mode against the "
                          "synchronous one"),
     "fewsteps": (fewsteps, "a 4-step CFG-free video against 50 CFG steps; the samplers at equal steps"),

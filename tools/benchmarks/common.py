@@ -55,6 +55,21 @@ def _spec_animate_1_3b() -> dict[str, Any]:
             "image_encoder": {**animate["image_encoder"], "num_hidden_layers": 1}}
 
 
+def _spec_animate2_1_3b() -> dict[str, Any]:
+    """Wan-Animate 2 at the 1.3B's widths, beside animate-1.3b (there is no 1.3B Wan-Animate 2):
+    WanAnimate2Transformer3DModel with the 1.3B DiT's 30 blocks, 12 heads of 128 and its FFN (random weights), its
+    36-channel input and CLIP image embedding; a 1-layer CLIP of ViT-H's width; the 1.3b workload's text encoder and
+    the real VAE; FlowMatchEuler at the 14B's shift. A modular pipeline (export/tiny.py build_modular)."""
+    from export.architectures import ARCHITECTURES
+
+    a2, small = ARCHITECTURES["wan-animate-2-14b"], ARCHITECTURES["wan2.1-t2v-1.3b"]["transformer"]
+    transformer = dict(dim=small["num_attention_heads"] * small["attention_head_dim"], ffn_dim=small["ffn_dim"],
+                       num_heads=small["num_attention_heads"], num_layers=small["num_layers"])
+    scheduler = {k: v for k, v in a2["scheduler"].items() if k != "_class_name"}
+    return {**_spec_1_3b(), "transformer": transformer, "pipeline": "animate-2", "scheduler": scheduler,
+            "image_encoder": {**a2["image_encoder"], "num_hidden_layers": 1}}
+
+
 def _spec_df_1_3b() -> dict[str, Any]:
     """SkyReels-V2-DF-1.3B-540P's widths: the 1.3B DiT with its fps embedding (random weights), run by diffusion
     forcing; the 1.3b workload's text encoder and the real VAE."""
@@ -129,6 +144,8 @@ WORKLOADS = {w.name: w for w in (
              _spec_vace_1_3b, 128, 128, 9),
     Workload("animate-1.3b", "Wan2.2-Animate's parts at the 1.3b workload's widths (512x512 faces), a 1-layer CLIP "
              "ViT-H; 9-frame segments", _spec_animate_1_3b, 128, 128, 9),
+    Workload("animate2-1.3b", "Wan-Animate 2 at the 1.3b workload's widths (WanAnimate2Transformer3DModel, 30 "
+             "blocks), a 1-layer CLIP ViT-H; 9-frame segments", _spec_animate2_1_3b, 128, 128, 9),
     Workload("df-1.3b", "SkyReels-V2-DF-1.3B's widths (the 1.3b workload's DiT with the fps embedding), diffusion "
              "forcing in 21-frame segments (6 latent frames)", _spec_df_1_3b, 128, 128, 21),
     Workload("helios-1.3b", "Helios at the 1.3b workload's widths (HeliosTransformer3DModel, 30 blocks), chunks of "
@@ -154,7 +171,7 @@ def export(args: Sequence[str], out: Path, root: Path = ROOT, quiet: bool = True
 def checkpoint(work: Path, wl: Workload) -> Path:
     """The workload's diffusers-format checkpoint, built once."""
     ckpt = work / wl.name / "checkpoint"
-    if not (ckpt / "model_index.json").is_file():
+    if not any((ckpt / index).is_file() for index in ("model_index.json", "modular_model_index.json")):
         log(f"building the {wl.name} checkpoint in {ckpt}")
         spawn("common:save_checkpoint", {"workload": wl.name, "out": str(ckpt)})  # keeps this process small
     return ckpt
@@ -164,8 +181,11 @@ def save_checkpoint(a: dict[str, Any], spawned: float) -> dict[str, Any]:
     from export import tiny
 
     wl = WORKLOADS[a["workload"]]
-    tiny.build_pipeline(wl.model if isinstance(wl.model, str) else wl.model()).save_pretrained(
-        a["out"], safe_serialization=True)
+    spec = wl.model if isinstance(wl.model, str) else wl.model()
+    if isinstance(spec, dict) and spec.get("pipeline") in tiny.MODULAR:  # Wan-Animate 2: a modular directory
+        tiny.build_modular(spec).save_pretrained(a["out"], safe_serialization=True, overwrite_modular_index=True)
+        return {}
+    tiny.build_pipeline(spec).save_pretrained(a["out"], safe_serialization=True)
     return {}
 
 
