@@ -208,7 +208,8 @@ def test_what_cannot_run_is_a_400_naming_the_field_and_nothing_is_kept(server: S
                                                             "CFG): it needs an image"),
         ({"input_reference": image}, {}, "driving_video", "this bundle is Wan-Animate 2 distilled (few steps, no CFG): "
                                                           "it needs a driving video"),
-        ({"input_reference": image, "driving_video": text}, {}, "driving_video", "driving_video"),
+        ({"input_reference": image, "driving_video": text}, {}, "driving_video",
+         "driving_video: cannot read driving_video.mp4 as a video"),
         ({"input_reference": landscape, "driving_video": driving}, {}, "input_reference",
          f"the image (60x40) makes a 48x32 video (Wan-Animate 2 keeps its aspect), and this bundle makes {W}x{H}"),
         ({"input_reference": landscape, "driving_video": driving}, {"size": f"{W}x{H}"}, "input_reference",
