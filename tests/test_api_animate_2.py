@@ -145,12 +145,12 @@ def _stored(jobs: Path) -> set[Path]:
     return {p for p in jobs.rglob("*") if p.is_file() and not p.name.startswith("jobs.")}
 
 
-def test_a_request_makes_generates_frames_and_streams_each_segment(server: SimpleNamespace, pipe: Any) -> None:
+def test_a_request_makes_the_frames_of_generate_and_streams_each_segment(server: SimpleNamespace, pipe: Any) -> None:
     """The character and an mp4 at 30 fps, sent by the openai SDK (the driving video as a data URL among its form
     fields): the job resamples it to 24 fps (its own rate, read from the file as the CLI reads it), makes the frames
     `pipe.generate` makes from the same inputs and seed (the two mp4s decode within 1 of 255: the same frames,
     encoded alike), reports the resampled length and the frame size, and streams one HLS segment per video segment
-    (14 frames at 30 fps are 11 at 24: two segments of 9 carrying 1)."""
+    (14 frames at 30 fps are 11 at 24: two segments of 9, none carried)."""
     import httpx
 
     from runtime.serve.body import read_video_bytes
@@ -165,17 +165,18 @@ def test_a_request_makes_generates_frames_and_streams_each_segment(server: Simpl
     created = server.client.videos.create(
         prompt=PROMPT, input_reference=("me.png", _png(image), "image/png"),
         extra_body={"driving_video": "data:video/mp4;base64," + base64.b64encode(driving).decode(),
-                    "num_inference_steps": 1, "seed": 5, "prompt_ref": "a reference video"})
+                    "num_inference_steps": 1, "seed": 5, "prompt_ref": "a reference video",
+                    "prev_segment_conditioning_frames": 0})
     assert (created.size, created.seconds) == (f"{W}x{H}", f"{11 / 24:g}")
     params = server.state.store.get(created.id).params
-    assert (params["driving_video_fps"], params["prev_segment_conditioning_frames"], params["area"]) == (30.0, 1, None)
+    assert (params["driving_video_fps"], params["prev_segment_conditioning_frames"], params["area"]) == (30.0, 0, None)
     video = _wait(server.client, created.id)
     assert video.status == "completed", video.error
     got = _decode(server.client.videos.download_content(video.id).read())
 
     want = pipe.generate(PROMPT, image=image, driving_video=read_video_bytes(driving, "driving_video"),
                          driving_video_fps=30.0, fps=24, steps=1, seed=5, prompt_ref="a reference video",
-                         progress=False)[0]
+                         prev_segment_conditioning_frames=0, progress=False)[0]
     assert want.shape == (11, H, W, 3)
     mp4 = server.jobs.parent / "want.mp4"
     write_video(want, mp4, fps=24)
@@ -186,7 +187,7 @@ def test_a_request_makes_generates_frames_and_streams_each_segment(server: Simpl
     playlist = httpx.get(base + "stream.m3u8").text
     parsed, streamed = stream_frames(playlist, lambda name: httpx.get(base + name).content)
     assert parsed.ended and len(parsed.durations) == 2 and streamed.shape == got.shape, playlist
-    assert [round(d * 24) for d in parsed.durations] == [9, 2]  # the first segment's 9 frames, the second's new 2
+    assert [round(d * 24) for d in parsed.durations] == [9, 2]  # the first segment's 9 frames, the second's 2
 
 
 def test_what_cannot_run_is_a_400_naming_the_field_and_nothing_is_kept(server: SimpleNamespace, tmp_path: Path) -> None:
@@ -275,7 +276,8 @@ def test_the_document_and_the_card_say_what_it_takes(server: SimpleNamespace) ->
 def test_the_playground_takes_the_character_and_the_driving_video(server: SimpleNamespace, pipe: Any,
                                                                  tmp_path: Path) -> None:
     """On an animate-2 bundle the page asks for the character image, the driving video and its settings (no
-    duration, none of Wan-Animate's videos), and a job made there is `pipe.generate`'s video from those files."""
+    duration, none of Wan-Animate's videos), and a job made there with a frame rate and the driving video's own
+    rate given is `pipe.generate`'s video from those files and settings."""
     from runtime.serve.body import read_video_bytes
     from runtime.video import write_video
 
@@ -284,7 +286,7 @@ def test_the_playground_takes_the_character_and_the_driving_video(server: Simple
     if CHROMIUM is None:
         raise AssertionError("chromium is not installed: apt-get install chromium (.ci/run does)")
     test_image(34, 50, seed=8).save(tmp_path / "me.png")
-    driving = _driving_mp4(10, seed=9)  # 10 frames at 30 fps, given as 20: 12 frames at 24 fps
+    driving = _driving_mp4(10, seed=9)  # 10 frames at 30 fps, given as 15 fps: 13 frames at 20 fps
     (tmp_path / "dance.mp4").write_bytes(driving)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
@@ -306,7 +308,8 @@ def test_the_playground_takes_the_character_and_the_driving_video(server: Simple
         page.get_by_label("Character image").set_input_files(str(tmp_path / "me.png"))
         page.get_by_label("Driving video (the character moves as it does; the video is as long)").set_input_files(
             str(tmp_path / "dance.mp4"))
-        page.get_by_label("Driving video's frame rate").fill("20")
+        page.get_by_label("Driving video's frame rate").fill("15")
+        page.get_by_label("Frame rate (the driving video is resampled to it)").fill("20")
         page.get_by_role("button", name="Generate").click()
         earlier = "".join(f':not([data-id="{v.id}"])' for v in server.client.videos.list(limit=100).data)
         item = page.locator(f"#jobs li{earlier}")  # the job made here (the others' too are listed)
@@ -315,11 +318,11 @@ def test_the_playground_takes_the_character_and_the_driving_video(server: Simple
         browser.close()
     assert problems == []
     job = server.client.videos.retrieve(job_id)
-    assert (job.status, job.seconds) == ("completed", "0.5")
+    assert (job.status, job.seconds) == ("completed", "0.65")
     got = _decode(server.client.videos.download_content(job.id).read())
     want = pipe.generate(PROMPT, image=tmp_path / "me.png", driving_video=read_video_bytes(driving, "driving_video"),
-                         driving_video_fps=20.0, fps=24, steps=1, seed=2, progress=False)[0]
-    write_video(want, tmp_path / "want.mp4", fps=24)
+                         driving_video_fps=15.0, fps=20, steps=1, seed=2, progress=False)[0]
+    write_video(want, tmp_path / "want.mp4", fps=20)
     expected = _decode((tmp_path / "want.mp4").read_bytes())
-    assert got.shape == expected.shape == (12, H, W, 3) and np.abs(got - expected).max() <= 1
+    assert got.shape == expected.shape == (13, H, W, 3) and np.abs(got - expected).max() <= 1
 
