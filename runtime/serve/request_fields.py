@@ -15,34 +15,11 @@ from .fields import FLOW_SHIFT, MAX_FPS, MAX_PROMPT_CHARS, NOT_BLANK, SIGMA_MIN,
 _OFFERED_BY = {"animate": lambda o: o.kind.animate, "forcing": lambda o: o.kind.forcing,
                "helios": lambda o: o.kind.helios, "animate-2": lambda o: o.kind.animate2}
 
-_ANIMATE2 = "Wan-Animate 2 models"
-# Wan-Animate 2's fields, until runtime/loop_settings.py's rows carry them (its `Api`s, asked for there): a row of the
-# table that has its own `api` wins, so these go once it does.
-INTERIM_API: dict[str, loop_settings.Api] = {
-    "driving_video": loop_settings.Api(
-        "file", "Wan-Animate 2: the driving video whose motion the character follows (mp4, webm, gif), of any length: "
-        "the video is as long (resampled to fps from driving_video_fps), made in segments of the size's frames.",
-        _ANIMATE2, keywords={"accepts": lambda o: "video"}),
-    "prompt_ref": loop_settings.Api(
-        "string", "Wan-Animate 2: the prompt of the driving video's reference pass (default 人物动作的参考视频, \"a "
-        "reference video of the person's motion\").", _ANIMATE2,
-        keywords={"max_length": MAX_PROMPT_CHARS, "default": loop_settings.const("animate2_media",
-                                                                                  "DEFAULT_PROMPT_REF")}),
-    "prev_segment_conditioning_frames": loop_settings.Api(
-        "integer", "Wan-Animate 2: the frames each segment takes from the video made before it (fewer than the "
-        "size's frames).", _ANIMATE2,
-        keywords={"minimum": 0, "maximum": lambda o: max(n for _, n in o.shapes) - 1, "default": lambda o: 1}),
-    "driving_video_fps": loop_settings.Api(
-        "number", "Wan-Animate 2: the driving video's frame rate, from which it is resampled to fps (nearest frame); "
-        "left out, the file's own (a file that says none is taken frame for frame).", _ANIMATE2,
-        keywords={"minimum": 0, "exclusive_minimum": True, "maximum": 1000}),
-}
-
 
 def _loop_field(s: loop_settings.Setting) -> Field:
     """A loop's setting (runtime/loop_settings.py) as a field: offered by bundles of the loops that take it (a Helios
     pyramid's by pyramid bundles only), refused elsewhere naming what takes it."""
-    api = s.api or INTERIM_API[s.name]
+    api = s.api
     kw: dict[str, Any] = dict(api.keywords)
     loop = next((loop for loop in s.loops if loop in _OFFERED_BY), None)
     if "offered" not in kw:
@@ -56,7 +33,7 @@ def _loop_field(s: loop_settings.Setting) -> Field:
 def loop_fields(loop: str | None = None) -> tuple[Field, ...]:
     """The fields of the loops' settings that the API takes (those of `loop`, or all), in the table's order."""
     return tuple(_loop_field(s) for s in loop_settings.SETTINGS
-                 if (s.api is not None or s.name in INTERIM_API) and (loop is None or loop in s.loops))
+                 if s.api is not None and (loop is None or loop in s.loops))
 
 
 def _two_experts(offer: Offer) -> bool:
