@@ -302,6 +302,8 @@ def test_the_playground_takes_the_character_and_the_driving_video(server: Simple
         for hidden in ("Duration", "Pose video (the video is as long)", "Video (control or source)", "Last frame",
                        "Frames carried between segments"):
             assert not page.get_by_label(hidden).is_visible(), hidden
+        sizes = page.get_by_label("Size").locator("option").all_inner_texts()
+        assert sizes == ["Any: the image's aspect picks", f"{W} × {H}"]  # the first: no size sent
         page.get_by_label("Prompt", exact=True).fill(PROMPT)
         page.get_by_label("Steps").fill("1")
         page.get_by_label("Seed").fill("2")
@@ -318,6 +320,7 @@ def test_the_playground_takes_the_character_and_the_driving_video(server: Simple
         browser.close()
     assert problems == []
     job = server.client.videos.retrieve(job_id)
+    assert server.state.store.get(job_id).params["area"] is None  # no size sent: the image's aspect picked it
     assert (job.status, job.seconds) == ("completed", "0.65")
     got = _decode(server.client.videos.download_content(job.id).read())
     want = pipe.generate(PROMPT, image=tmp_path / "me.png", driving_video=read_video_bytes(driving, "driving_video"),

@@ -70,6 +70,10 @@ function showModel(card) {
   $("model").textContent = `${card.id}: ${card.title}, ${card.fps} fps (bundle ${card.bundle_id})`;
   const sizes = [...new Set(card.shapes.map((s) => s.size))];
   $("size").replaceChildren(...sizes.map((s) => option(s, s.replace("x", " × "))));
+  // Wan-Animate 2 makes the video at the image's aspect: left to the server, the first size whose area that aspect
+  // makes is taken (a size picked is the area asked for)
+  if (card.animate_2) $("size").prepend(option("", "Any: the image's aspect picks"));
+  $("size").selectedIndex = 0;
   fillDurations();
   $("steps").placeholder = String(card.defaults.steps);
   $("guidance").placeholder = String(card.defaults.guidance);
@@ -360,6 +364,7 @@ async function generate(event) {
     fields.prev_segment_frames = Number($("prev-frames").value);
   } else if (model.animate_2) { // as long as the driving video: no seconds; an empty box is the server's default
     if ($("prompt-ref").value !== "") fields.prompt_ref = $("prompt-ref").value;
+    if (fields.size === "") delete fields.size;
   } else if (model.forcing) {
     if ($("df-seconds").value !== "") fields.seconds = $("df-seconds").value;
   } else if (model.helios) {
