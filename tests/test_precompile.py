@@ -209,6 +209,7 @@ def _precompiled_cpu8(cpu8_bundle: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_sharded_executables_load_on_8_devices(cpu8_bundle: Path, tmp_path: Path) -> None:
     """A cpu-8 bundle (dp, sp and tp of 2) precompiled with 8 devices: its sharded executables load (the shardings
     read back from XLA's bytes) and make the plain bundle's frames."""
