@@ -194,7 +194,8 @@ def test_what_cannot_run_is_a_400_naming_the_field_and_nothing_is_kept(server: S
     """No image, no driving video, a driving video that is not a video, an image whose frame size the bundle does not
     make (a landscape image: 48x32 here, which makes 32x48 only), a seconds field, too many frames carried, a driving
     video no longer than the frames carried, more steps than the server runs over all segments, another kind's
-    field: each a 400 naming the field; no job is queued and no file is stored."""
+    field, a JSON body's driving video that is not a data URL: each a 400 naming the field; no job is queued and no
+    file is stored."""
     import httpx
 
     image = ("me.png", _png(test_image(34, 50, seed=3)), "image/png")
@@ -232,6 +233,11 @@ def test_what_cannot_run_is_a_400_naming_the_field_and_nothing_is_kept(server: S
         r = httpx.post(server.url + "/v1/videos", files=files, data={"prompt": PROMPT, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
         assert message in r.json()["error"]["message"], r.text
+    # in JSON the files are data URLs: one that is not base64 is refused by the field's name too
+    png = "data:image/png;base64," + base64.b64encode(image[1]).decode()
+    r = httpx.post(server.url + "/v1/videos", json={"prompt": PROMPT, "input_reference": png,
+                                                     "driving_video": "data:video/mp4;base64,not base64!"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "driving_video"), r.text
     assert len(server.state.store.list(1000)[0]) == before_jobs
     assert _stored(server.jobs) == before_files
 
