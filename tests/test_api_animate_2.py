@@ -335,3 +335,39 @@ def test_the_playground_takes_the_character_and_the_driving_video(server: Simple
     expected = _decode((tmp_path / "want.mp4").read_bytes())
     assert got.shape == expected.shape == (13, H, W, 3) and np.abs(got - expected).max() <= 1
 
+
+
+@pytest.mark.slow
+def test_guidance_and_a_negative_prompt_on_the_base_model(tmp_path: Path) -> None:
+    """The slow tier's variant of the first test on the other kind of the same path: the base model (animate-2,
+    tiny-animate-2: ten blocks, CFG's unconditional branch skipping block 9) through the API with guidance 2 (its
+    default is 3) and a negative prompt, one segment, makes `pipe.generate`'s frames."""
+    import httpx
+
+    import runtime
+    from export import tiny
+    from runtime.serve.body import read_video_bytes
+    from runtime.video import write_video
+
+    variant = "tiny-animate-2"
+    ckpt = shared(f"{variant}-checkpoint", lambda root: tiny.save(variant, root / "ckpt")) / "ckpt"
+    bundle = shared("api-animate-2-base-bundle", lambda root: run_module(
+        "export", "--model", str(ckpt), "--resolution", f"{W}x{H}", "--frames", str(SEGMENT), "--dtype", "fp32",
+        "--max-sequence-length", "16", "--out", str(root / "b"), "-q")) / "b"
+    pipe = runtime.load(bundle)
+    image, driving = test_image(34, 50, seed=6), _driving_mp4(8, seed=7)  # 8 frames at 30 fps: 6 at 24, one segment
+    with serving_pipe(pipe, bundle, tmp_path) as server:
+        files = {"input_reference": ("me.png", _png(image), "image/png"),
+                 "driving_video": ("dance.mp4", driving, "video/mp4")}
+        r = httpx.post(server.url + "/v1/videos", files=files, timeout=60, data={
+            "prompt": PROMPT, "negative_prompt": "blurry", "guidance_scale": "2", "num_inference_steps": "2",
+            "seed": "4"})
+        assert r.status_code == 200, r.text
+        video = _wait(server.client, r.json()["id"])
+        assert video.status == "completed", video.error
+        got = _decode(server.client.videos.download_content(video.id).read())
+    want = pipe.generate(PROMPT, "blurry", image=image, driving_video=read_video_bytes(driving, "driving_video"),
+                         driving_video_fps=30.0, fps=24, steps=2, guidance=2.0, seed=4, progress=False)[0]
+    write_video(want, tmp_path / "want.mp4", fps=24)
+    expected = _decode((tmp_path / "want.mp4").read_bytes())
+    assert got.shape == expected.shape == (6, H, W, 3) and np.abs(got - expected).max() <= 1
