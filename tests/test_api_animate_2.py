@@ -227,6 +227,10 @@ def test_what_cannot_run_is_a_400_naming_the_field_and_nothing_is_kept(server: S
          f"2 segments of 3 steps are 6 steps, more than this server runs ({MAX_STEPS})"),
         ({"input_reference": image, "driving_video": driving}, {"driving_video_fps": "0"}, "driving_video_fps",
          "driving_video_fps must be a finite number in (0, 1000]"),
+        ({"input_reference": image, "driving_video": driving}, {"driving_video_fps": "1e-320"}, "driving_video_fps",
+         "driving_video_fps 1e-320 makes the driving video's 14 frames more than 1e+09 at 24 fps"),
+        ({"input_reference": image, "driving_video": driving}, {"driving_video_fps": "0.01"}, "driving_video",
+         "4200 segments of 4 steps are 16800 steps, more than this server runs (4)"),
         ({"input_reference": image, "driving_video": driving, "pose_video": driving}, {}, "pose_video",
          "pose_video is for Wan-Animate; this bundle is Wan-Animate 2"),
     ]:

@@ -37,10 +37,21 @@ def file_fps(data: bytes) -> float | None:
         return animate2_media.video_fps(path)
 
 
+MOST_FRAMES = 1e9  # a resampled length beyond any step limit (and within a float's range): refused as it is
+
+
 def resampled_frames(frames: int, driving_fps: float | None, fps: int) -> int:
     """The driving video's frames at `fps` (runtime/animate2_media.py `frame_indices`' count), without building the
-    index list: a low driving_video_fps asks for many frames, refused by the step limit before any is made."""
-    return frames if driving_fps is None else int(frames / driving_fps * fps)
+    index list: a low driving_video_fps asks for many frames, refused by the step limit before any is made (and one
+    so low that they overflow a float, here)."""
+    if driving_fps is None:
+        return frames
+    planned = frames / driving_fps * fps
+    if not planned < MOST_FRAMES:
+        raise ApiError(400, f"driving_video_fps {driving_fps!r} makes the driving video's {frames} frames more than "
+                            f"{MOST_FRAMES:.0e} at {fps} fps: give the video's own frame rate (or leave it out)",
+                       "driving_video_fps")
+    return int(planned)
 
 
 def plan(params: dict[str, Any], values: dict[str, Any], files: dict[str, list[bytes]], media: dict[str, Any],
