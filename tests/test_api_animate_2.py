@@ -280,6 +280,8 @@ def test_the_document_and_the_card_say_what_it_takes(server: SimpleNamespace) ->
     card = server.client.models.list().data[0].model_dump()
     assert (card["kind"], card["animate_2"], card["animate"], card["image"], card["fps"]) == (
         "animate-2-distilled", True, False, "required", 24)
+    # (the shape's one reference latent frame is the character's slot, not a reference image a request sends)
+    assert card["reference_images"] == [0] and [s["reference_images"] for s in card["shapes"]] == [0]
     assert not {"/v1/videos/{video_id}/remix", "/v1/videos/edits", "/v1/videos/extensions"} & doc["paths"].keys()
 
 

@@ -61,10 +61,14 @@ class Offer:
     @classmethod
     def of(cls, manifest: Manifest, name: str, max_steps: int = MAX_STEPS, adapters: tuple[Any, ...] = (),
            max_loras: int = lora_api.MAX_LORAS, max_seconds: float = DEFAULT_MAX_SECONDS) -> Offer:
+        kind = kinds.get(manifest.kind)
+        # reference images a request sends (VACE's): a Wan-Animate 2 shape's one reference latent frame is the
+        # character's slot, made from input_reference, not an upload of its own
+        references = tuple(manifest.reference_counts) if kind.reference_images else (0,)
         return cls(models=tuple(dict.fromkeys((name, manifest.bundle_id))),
                    shapes=tuple(dict.fromkeys((g.size, g.frames) for g in manifest.shapes)),
-                   kind=kinds.get(manifest.kind), defaults=manifest.defaults, max_steps=max_steps,
-                   video_to_video=manifest.video_to_video, reference_counts=tuple(manifest.reference_counts),
+                   kind=kind, defaults=manifest.defaults, max_steps=max_steps,
+                   video_to_video=manifest.video_to_video, reference_counts=references,
                    loras=tuple(adapters), max_loras=max_loras, max_seconds=max_seconds,
                    tiny_decoder=manifest.tiny_decoder is not None,
                    pyramid=manifest.chunks.stages if manifest.chunks is not None else 1)

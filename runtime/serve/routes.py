@@ -359,7 +359,7 @@ def model_card(state: State, tenant: str | None = None) -> dict[str, Any]:
                          "sigmas": None if m.defaults.sigmas is None else list(m.defaults.sigmas)},
             "dtype": m.dtype, "quantize": m.quantize,
             "shapes": [{"size": g.size, "frames": g.frames, "seconds": seconds_of(g.frames, fps), "default": i == 0,
-                        "reference_images": g.reference_images}
+                        "reference_images": g.reference_images if pipe.kind.reference_images else 0}
                        for i, g in enumerate(m.shapes)],
             "loras": [loras.card(a, pipe.kind.experts > 1) for a in state.offer.loras
                       if allowed is None or a.name in allowed],
