@@ -65,6 +65,21 @@ RULES: dict[str, list[tuple[str, Any]]] = {
         (r"face_adapter\.\d+\.to_[qkv]\.weight", ("tp", None)),
         (r"face_adapter\.\d+\.to_[qkv]\.bias", ("tp",)),
         (r"face_adapter\.\d+\.to_out\.weight", (None, "tp")),
+        # Wan-Animate 2 (WanAnimate2Transformer3DModel) keeps the original Wan names: self_attn / cross_attn for
+        # attn1 / attn2, ffn.0 / ffn.2 for ffn.net.0.proj / ffn.net.2, time_projection.1 for time_proj,
+        # time_embedding / text_embedding .0 and .2 for the embedders' linear_1 / linear_2; the same layout.
+        (_BLOCK + r"(self|cross)_attn\.to_[qkv]\.weight", ("tp", None)),
+        (_BLOCK + r"(self|cross)_attn\.to_[qkv]\.bias", ("tp",)),
+        (_BLOCK + r"(self|cross)_attn\.norm_[qk]\.weight", ("tp",)),
+        (_BLOCK + r"cross_attn\.add_[kv]_proj\.weight", ("tp", None)),
+        (_BLOCK + r"cross_attn\.add_[kv]_proj\.bias", ("tp",)),
+        (_BLOCK + r"cross_attn\.norm_added_k\.weight", ("tp",)),
+        (_BLOCK + r"(self|cross)_attn\.to_out\.0\.weight", (None, "tp")),
+        (_BLOCK + r"ffn\.0\.weight", ("tp", None)),
+        (_BLOCK + r"ffn\.0\.bias", ("tp",)),
+        (_BLOCK + r"ffn\.2\.weight", (None, "tp")),
+        (r"(time_projection\.1|(time|text)_embedding\.[02])\.weight", ("tp", None)),
+        (r"(time_projection\.1|(time|text)_embedding\.[02])\.bias", ("tp",)),
         (r".*", REPLICATED),  # embedders, norms, modulation tables, proj_out, RoPE tables, biases after a reduce
     ],
     "umt5": [(r".*", FSDP)],
