@@ -12,26 +12,32 @@ diffusers 0.42.1 (models/transformers/transformer_wan_animate_2.py) runs the DiT
 - the step (`"cached"`): the segment's noisy latents [latents, mask, condition] over L + 1 latent frames (the first
   the character image's), RoPE from position 0; each query of frame f attends to every token of the segment and,
   for f >= 1, to the cached reference tokens of driving frame f - 1 (diffusers' flex BlockMask; its padding to 128 is
-  masked, so it changes nothing). Here that is one softmax over the two key sets: an online softmax over the
-  segment's keys in blocks, merged (by their maxima and sums) with a per-frame softmax over the frame's reference
-  keys. The unconditional branch of CFG skips block 9 (`is_uncondtion`): in the CFG program the second half's rows
-  keep block 9's input.
+  masked, so it changes nothing). Here that is one softmax over the two key sets: queries in blocks of one frame
+  (or less), each block's softmax started from its frame's reference keys and run online over the segment's keys in
+  blocks (`_local`), so a layer's temporaries are a block's scores, not the segment's. The unconditional branch
+  of CFG skips block 9 (`is_uncondtion`): in the CFG program the second half's rows keep block 9's input.
 
 Cross-attention is WanAnimate2CrossAttnProcessor's: the text (padded to text_len, all rows attended) and the CLIP
 image tokens (img_emb, then add_k/v with norm_added_k) as two softmaxes, summed; their keys and values come from the
 `cross_kv` program ((layers, 2, 2B, heads, image + text tokens, head_dim)), the reference pass takes its first B rows
 (the reference prompt's, computed with the driving frame's CLIP features). Attention scores and sums are float32.
+
+On a mesh the programs are laid out as the Wan DiT's (export/sharding.py `current_layout`): the hidden states pinned
+at every block (the batch over dp, the tokens over sp; or the tokens over (dp, sp) without CFG), attention inside
+shard_map with heads over tp and queries over the sequence axes, keys whole; the reference cache's tokens split as
+the reference pass's activations (`cache_layout`), each block's gathered when the step reads them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from runtime import programs as prog
 from runtime import scheduler as sched
@@ -41,10 +47,12 @@ from runtime.manifest import Geometry, TensorSpec
 
 from . import sharding
 from .denoise import guided_velocity, sampler_update
+from .sharding import DitLayout
 from .trace import Extracted, abstract_mesh
 
 MASKED = -1e30
 KEY_BLOCK = 2048  # keys per step of the online softmax over a segment's tokens
+QUERY_BLOCK = 4096  # at most this many queries at a time (720p: one latent frame, 3600 tokens)
 SKIPPED_UNCOND_BLOCK = 9  # WanAnimate2Transformer3DModel.forward: `if is_uncondtion and idx == 9: continue`
 
 
@@ -84,101 +92,171 @@ def rotate(x: jax.Array, table: jax.Array) -> jax.Array:
 
 
 # -- attention -----------------------------------------------------------------------------------------------------
-def _online(q: jax.Array, k: jax.Array, v: jax.Array, block: int = KEY_BLOCK) -> tuple[jax.Array, ...]:
-    """Unmasked softmax attention of q (N, H, Sq, D) over k, v (N, H, Sk, D) as its running (max, sum, weighted
-    values), float32, over blocks of `block` keys (a video's whole score matrix would be gigabytes per layer)."""
-    scale = 1.0 / np.sqrt(q.shape[-1])
+def _query_block(tokens: int, local: int) -> int:
+    """The queries per block of a device's `local` queries: the largest divisor of both the tokens per frame and
+    `local` up to QUERY_BLOCK, so that every block lies in one latent frame (shards start on a block boundary)."""
+    g = math.gcd(tokens, local)
+    return max(d for d in range(1, min(g, QUERY_BLOCK) + 1) if g % d == 0)
+
+
+def _local(q: jax.Array, k: jax.Array, v: jax.Array, k_ref: jax.Array | None, v_ref: jax.Array | None,
+           tokens: int, offset: Any, ref_rows: Any, block_q: int, block_k: int = KEY_BLOCK) -> jax.Array:
+    """One device's self-attention: q (n, H, Sq, D), its queries at global positions `offset` + index; k, v
+    (n, H, Sk, D) every key of the segment. With k_ref, v_ref ((B, H, (F - 1) x tokens, D), every reference frame,
+    the rows of q's batch `ref_rows`), the queries of frame f >= 1 also see reference frame f - 1: one softmax over
+    both. Queries in blocks of `block_q` (each in one frame), keys in blocks of `block_k`: a block's (max, sum,
+    weighted values) starts from its frame's reference softmax, then runs online over the segment's key blocks.
+    Scores and sums float32."""
+    n, h, sq, d = q.shape
+    scale = 1.0 / np.sqrt(d)
     sk = k.shape[2]
-    blocks = -(-sk // block)
-    size = min(block, sk)
+    size = min(block_k, sk)
+    blocks = -(-sk // size)
     pad = blocks * size - sk
     if pad:
         k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
     valid = (jnp.arange(blocks * size) < sk).reshape(blocks, size)
-    kb = jnp.moveaxis(k.reshape(*k.shape[:2], blocks, size, k.shape[3]), 2, 0)
-    vb = jnp.moveaxis(v.reshape(*v.shape[:2], blocks, size, v.shape[3]), 2, 0)
-    shape = (*q.shape[:3], 1)
+    kb = jnp.moveaxis(k.reshape(n, h, blocks, size, d), 2, 0)
+    vb = jnp.moveaxis(v.reshape(n, h, blocks, size, d), 2, 0)
+    nq = sq // block_q
+    qb = jnp.moveaxis(q.reshape(n, h, nq, block_q, d), 2, 0)
 
-    def one(carry: tuple[jax.Array, ...], blk: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], None]:
-        m, total, acc = carry
+    def one_key_block(carry: tuple[jax.Array, ...], blk: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], None]:
+        qq, m, total, acc = carry
         kk, vv, ok = blk
-        s = jnp.einsum("nhqd,nhkd->nhqk", q, kk, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("nhqd,nhkd->nhqk", qq, kk, preferred_element_type=jnp.float32) * scale
         s = jnp.where(ok[None, None, None], s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         p = jnp.exp(s - m_new)
         old = jnp.exp(m - m_new)
         acc = acc * old + jnp.einsum("nhqk,nhkd->nhqd", p, vv.astype(jnp.float32))
-        return (m_new, total * old + jnp.sum(p, axis=-1, keepdims=True), acc), None
+        return (qq, m_new, total * old + jnp.sum(p, axis=-1, keepdims=True), acc), None
 
-    init = (jnp.full(shape, MASKED, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(q.shape, jnp.float32))
-    if blocks == 1:
-        out, _ = one(init, (kb[0], vb[0], valid[0]))
-    else:
-        out, _ = jax.lax.scan(one, init, (kb, vb, valid))
-    return out
+    def one_query_block(args: tuple[jax.Array, ...]) -> jax.Array:
+        qq, i = args
+        shape = (n, h, block_q, 1)
+        m = jnp.full(shape, MASKED, jnp.float32)
+        total = jnp.zeros(shape, jnp.float32)
+        acc = jnp.zeros((n, h, block_q, d), jnp.float32)
+        if k_ref is not None:
+            f = (offset + i * block_q) // tokens  # the block's frame
+            start = jnp.maximum(f - 1, 0) * tokens
+            kr = jnp.take(jax.lax.dynamic_slice_in_dim(k_ref, start, tokens, axis=2), ref_rows, axis=0)
+            vr = jnp.take(jax.lax.dynamic_slice_in_dim(v_ref, start, tokens, axis=2), ref_rows, axis=0)
+            s = jnp.einsum("nhqd,nhkd->nhqk", qq, kr, preferred_element_type=jnp.float32) * scale
+            mr = jnp.max(s, axis=-1, keepdims=True)
+            p = jnp.exp(s - mr)
+            seen = f >= 1
+            m = jnp.where(seen, mr, m)
+            total = jnp.where(seen, jnp.sum(p, axis=-1, keepdims=True), total)
+            acc = jnp.where(seen, jnp.einsum("nhqk,nhkd->nhqd", p, vr.astype(jnp.float32)), acc)
+        init = (qq, m, total, acc)
+        if blocks == 1:
+            out, _ = one_key_block(init, (kb[0], vb[0], valid[0]))
+        else:
+            out, _ = jax.lax.scan(one_key_block, init, (kb, vb, valid))
+        return out[3] / out[2]
+
+    out = jax.lax.map(one_query_block, (qb, jnp.arange(nq)))  # (nq, n, H, block_q, D)
+    return jnp.moveaxis(out, 0, 2).reshape(n, h, sq, d).astype(q.dtype)
 
 
-def dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Unmasked softmax attention (the reference pass's self-attention)."""
-    _, total, acc = _online(q, k, v)
-    return (acc / total).astype(q.dtype)
+def _index(mesh: AbstractMesh, axes: tuple[str, ...]) -> Any:
+    """This device's index along `axes` (major first), inside shard_map."""
+    index = 0
+    for a in axes:
+        index = index * mesh.shape[a] + jax.lax.axis_index(a)
+    return index
 
 
-def with_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_ref: jax.Array, v_ref: jax.Array,
-                   tokens: int) -> jax.Array:
-    """The step's self-attention: q, k, v (N, H, F x tokens, D) of the segment; k_ref, v_ref (N, H, (F - 1) x tokens,
-    D), the reference frames'. Query frame f sees all of k and, f >= 1, reference frame f - 1: one softmax over both,
-    merged from the segment's running softmax and each frame's over its reference keys (computed a frame at a time)."""
-    n, h, s, d = q.shape
-    frames = s // tokens
-    m1, l1, a1 = _online(q, k, v)
-    scale = 1.0 / np.sqrt(d)
-    qf = jnp.moveaxis(q[:, :, tokens:].reshape(n, h, frames - 1, tokens, d), 2, 0)
-    kf = jnp.moveaxis(k_ref.reshape(n, h, frames - 1, tokens, d), 2, 0)
-    vf = jnp.moveaxis(v_ref.reshape(n, h, frames - 1, tokens, d), 2, 0)
+def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: AbstractMesh, tokens: int,
+                   k_ref: jax.Array | None = None, v_ref: jax.Array | None = None) -> jax.Array:
+    """Self-attention laid out as the Wan DiT's (export/sharding.py `current_layout`): inside shard_map, q (N, H, S,
+    D) with heads over tp and queries over the layout's sequence axes, the keys whole on the sequence; the reference
+    keys (B, H, (F - 1) x tokens, D) of the step (the reference pass has none) gathered whole on their tokens, q's
+    rows taking reference row (row % B). `_local` on each device."""
+    layout = sharding.current_layout()
+    n, _, s, _ = q.shape
+    pieces = math.prod(mesh.shape[a] for a in layout.seq)
+    rows = n // math.prod(mesh.shape[a] for a in layout.batch)
+    local = s // pieces
+    block_q = _query_block(tokens, local)
+    q_spec, kv_spec = layout.self_q, layout.self_kv
+    if k_ref is None:
+        def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return _local(q, k, v, None, None, tokens, _index(mesh, layout.seq) * local, None, block_q)
 
-    def frame(args: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        qq, kk, vv = args
-        sc = jnp.einsum("nhqd,nhkd->nhqk", qq, kk, preferred_element_type=jnp.float32) * scale
-        m = jnp.max(sc, axis=-1, keepdims=True)
-        p = jnp.exp(sc - m)
-        return m, jnp.sum(p, axis=-1, keepdims=True), jnp.einsum("nhqk,nhkd->nhqd", p, vv.astype(jnp.float32))
+        return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                             check_vma=False)(q, k, v)
+    b = k_ref.shape[0]
+    ref_spec = PartitionSpec(None, "tp", None, None)
 
-    m2, l2, a2 = jax.lax.map(frame, (qf, kf, vf))  # (F - 1, N, H, tokens, .)
-    back = lambda a: jnp.moveaxis(a, 0, 2).reshape(n, h, (frames - 1) * tokens, a.shape[-1])  # noqa: E731
-    m2, l2, a2 = back(m2), back(l2), back(a2)
-    first = (slice(None), slice(None), slice(0, tokens))
-    rest = (slice(None), slice(None), slice(tokens, None))
-    m = jnp.maximum(m1[rest], m2)
-    e1, e2 = jnp.exp(m1[rest] - m), jnp.exp(m2 - m)
-    out_rest = (a1[rest] * e1 + a2 * e2) / (l1[rest] * e1 + l2 * e2)
-    out_first = a1[first] / l1[first]
-    return jnp.concatenate([out_first, out_rest], axis=2).astype(q.dtype)
+    def fn_ref(q: jax.Array, k: jax.Array, v: jax.Array, kr: jax.Array, vr: jax.Array) -> jax.Array:
+        ref_rows = (_index(mesh, layout.batch) * rows + jnp.arange(rows)) % b
+        return _local(q, k, v, kr, vr, tokens, _index(mesh, layout.seq) * local, ref_rows, block_q)
+
+    return jax.shard_map(fn_ref, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ref_spec, ref_spec),
+                         out_specs=q_spec, check_vma=False)(q, k, v, k_ref, v_ref)
 
 
 def _plain(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Softmax attention over a few keys (cross-attention's), float32 scores: (N, H, Sq, D)."""
+    """Softmax attention over a few keys (cross-attention's), float32 scores: (N, H, Sq, D) float32."""
     s = jnp.einsum("nhqd,nhkd->nhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(q.shape[-1])
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("nhqk,nhkd->nhqd", p, v.astype(jnp.float32)).astype(q.dtype)
+    return jnp.einsum("nhqk,nhkd->nhqd", p, v.astype(jnp.float32))
+
+
+def cross_attention(q: jax.Array, kv: jax.Array, image_tokens: int, mesh: AbstractMesh) -> jax.Array:
+    """WanAnimate2CrossAttnProcessor's two softmaxes (text; CLIP image tokens, first in kv (2, N, H, tokens, D)),
+    summed, laid out as the self-attention's queries (heads over tp, queries over the sequence axes), the keys whole,
+    the queries in blocks of QUERY_BLOCK (padded)."""
+    layout = sharding.current_layout()
+    q_spec = layout.self_q
+    kv_spec = PartitionSpec(None, *layout.self_kv)
+
+    def fn(q: jax.Array, kv: jax.Array) -> jax.Array:
+        n, h, sq, d = q.shape
+        block = min(QUERY_BLOCK, sq)
+        nq = -(-sq // block)
+        qp = jnp.pad(q, ((0, 0), (0, 0), (0, nq * block - sq), (0, 0)))
+        qb = jnp.moveaxis(qp.reshape(n, h, nq, block, d), 2, 0)
+
+        def one(qq: jax.Array) -> jax.Array:
+            att = _plain(qq, kv[0, :, :, image_tokens:], kv[1, :, :, image_tokens:]).astype(q.dtype)
+            if image_tokens:
+                att = att + _plain(qq, kv[0, :, :, :image_tokens], kv[1, :, :, :image_tokens]).astype(q.dtype)
+            return att
+
+        out = jax.lax.map(one, qb)
+        return jnp.moveaxis(out, 0, 2).reshape(n, h, nq * block, d)[:, :, :sq]
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec), out_specs=q_spec, check_vma=False)(q, kv)
 
 
 # -- the model -----------------------------------------------------------------------------------------------------
 class _Model:
     """WanAnimate2Transformer3DModel's forward, its attention in JAX (the functions above)."""
 
-    def __init__(self, ex: Extracted, heads_sharding: Any = None) -> None:
+    def __init__(self, ex: Extracted, mesh: AbstractMesh) -> None:
         self.ex, self.env = ex, ex.env
         cfg = ex.module.config
         self.heads = int(cfg.num_heads)
         self.head_dim = int(cfg.dim) // self.heads
         self.image_tokens = 0
-        self.sharding = heads_sharding
+        self.mesh = mesh
+
+    def pin(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _split(self, x: Any) -> jax.Array:
-        """torch (N, S, dim) -> jax (N, heads, S, head_dim), pinned to the heads' sharding where there is one."""
+        """torch (N, S, dim) -> jax (N, heads, S, head_dim), pinned as the layout's queries (heads over tp, the
+        sequence over its axes)."""
         out = jnp.swapaxes(self.env.t2j_iso(x.unflatten(2, (self.heads, -1))), 1, 2)
-        return jax.lax.with_sharding_constraint(out, self.sharding) if self.sharding is not None else out
+        return self.pin(out, sharding.current_layout().self_q)
+
+    def _hidden(self, x: Any) -> Any:
+        """torch (N, S, dim) pinned as the layout's hidden states (the batch and the sequence over theirs)."""
+        return self.env.j2t_iso(self.pin(self.env.t2j_iso(x), sharding.current_layout().hidden))
 
     def _merge(self, x: jax.Array, like: Any) -> Any:
         n, h, s, d = x.shape
@@ -195,7 +273,10 @@ class _Model:
         RoPE); rows from `uncond_from` on keep block 9's input (CFG's unconditional half)."""
         import torch
 
+        if uncond_from is not None:
+            uncond = self.env.j2t_iso(jnp.arange(hidden.shape[0]).reshape(-1, 1, 1) >= uncond_from)
         for i, blk in enumerate(mod.blocks):
+            hidden = self._hidden(hidden)
             before = hidden
             shift, scale, gate, c_shift, c_scale, c_gate = (blk.modulation + proj).chunk(6, dim=1)
             norm = (blk.norm1(hidden.float()) * (1 + scale) + shift).type_as(hidden)
@@ -206,16 +287,13 @@ class _Model:
             c = blk.cross_attn
             normed = blk.norm3(hidden.float()).type_as(hidden)
             q = self._split(c.norm_q(c.to_q(normed)))
-            kvi = kv[i]  # (2, N, heads, image + text tokens, head_dim)
-            att = _plain(q, kvi[0, :, :, image_tokens:], kvi[1, :, :, image_tokens:])
-            if image_tokens:
-                att = att + _plain(q, kvi[0, :, :, :image_tokens], kvi[1, :, :, :image_tokens])
+            att = cross_attention(q, kv[i], image_tokens, self.mesh)  # kv[i]: (2, N, heads, tokens, head_dim)
             hidden = hidden + c.to_out[0](self._merge(att, normed))
             norm = (blk.norm2(hidden.float()) * (1 + c_scale) + c_shift).type_as(hidden)
             hidden = (hidden.float() + blk.ffn(norm).float() * c_gate).type_as(hidden)
             if uncond_from is not None and i == SKIPPED_UNCOND_BLOCK:
-                hidden = torch.cat([hidden[:uncond_from], before[uncond_from:]])
-        return hidden
+                hidden = torch.where(uncond, before, hidden)
+        return self._hidden(hidden)
 
 
 def check_text(module: Any, max_sequence_length: int) -> None:
@@ -259,11 +337,14 @@ def build_cross_kv(ex: Extracted, dtype: Any) -> Callable[..., jax.Array]:
     return fn
 
 
-def build_reference(ex: Extracted, dtype: Any, text_tokens: int, heads: Any = None) -> Callable[..., jax.Array]:
+def build_reference(ex: Extracted, dtype: Any, text_tokens: int, mesh: AbstractMesh,
+                    cache: PartitionSpec = PartitionSpec()) -> Callable[..., jax.Array]:
     """fn(weights, reference (B, 36, L, h, w) float32, kv, ref_cache) -> ref_cache: the reference pass
     (kv_cache_mode "extract") of a driving segment, each block's keys (after the reference RoPE) and values,
-    (layers, 2, B, heads, L x h/2 x w/2, head_dim) in the model dtype; the cache given is overwritten (donated)."""
-    model = _Model(ex, heads)
+    (layers, 2, B, heads, L x h/2 x w/2, head_dim) in the model dtype, laid out as `cache` (`cache_layout`); the
+    cache given is overwritten (donated), a block at a time."""
+    model = _Model(ex, mesh)
+    per_block = PartitionSpec(*cache[2:])
 
     def extract(mod: Any, x: Any, kv: jax.Array, image_tokens: int) -> Any:
         import torch
@@ -274,12 +355,13 @@ def build_reference(ex: Extracted, dtype: Any, text_tokens: int, heads: Any = No
         offsets = reference_offsets(mod.config, grid)
         table = jnp.asarray(rope(model.head_dim, grid, offsets, int(mod.config.refer_stride)))
         _, proj = model.embed_time(mod, x.new_ones(x.shape[0], dtype=torch.float32))  # the fixed timestep 1
+        tokens = grid[1] * grid[2]
         kept: list[tuple[jax.Array, jax.Array]] = []
 
         def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             q, k = rotate(q, table), rotate(k, table)
-            kept.append((k, v))
-            return dense(q, k, v)
+            kept.append((model.pin(k, per_block), model.pin(v, per_block)))
+            return self_attention(q, k, v, mesh, tokens)
 
         model.blocks(mod, hidden, proj, kv, image_tokens, attend, None)
         return kept
@@ -294,20 +376,23 @@ def build_reference(ex: Extracted, dtype: Any, text_tokens: int, heads: Any = No
             return x
 
         ex.fn(weights, (reference.astype(dtype),), {}, method=run)
-        return jnp.stack([jnp.stack(p) for p in kept]).astype(ref_cache.dtype)
+        for i, (k, v) in enumerate(kept):
+            ref_cache = ref_cache.at[i, 0].set(k.astype(ref_cache.dtype)).at[i, 1].set(v.astype(ref_cache.dtype))
+        return model.pin(ref_cache, cache)
 
     return fn
 
 
 def build_step(ex: Extracted, order: int, dtype: Any, text_tokens: int,
-               variant: DenoiseVariant = DENOISE_VARIANTS["cfg"], heads: Any = None) -> Callable[..., tuple]:
+               variant: DenoiseVariant = DENOISE_VARIANTS["cfg"], mesh: AbstractMesh | None = None
+               ) -> Callable[..., tuple]:
     """fn(weights, state, kv, timestep, guidance, row, condition, ref_cache) -> (new state, all-finite flag): one
     step of a segment (WanAnimate2SegmentDenoiseInner's body). state (rows, B, z, L + 1, h, w) float32; condition
     (B, 4 + z, L + 1, h, w) float32: the character image's mask and latents, then the carried frames'; ref_cache as
     `build_reference` returns it; kv, timestep, guidance, row as export/denoise.py's."""
     copies = 2 if variant.cfg else 1
     module = ex.module
-    model = _Model(ex, heads)
+    model = _Model(ex, mesh)
     p = tuple(int(s) for s in module.config.patch_size)
 
     def forward(mod: Any, x: Any, t: Any, kv: jax.Array, cache: jax.Array, image_tokens: int, b: int) -> Any:
@@ -318,10 +403,10 @@ def build_step(ex: Extracted, order: int, dtype: Any, text_tokens: int,
         tokens = grid[1] * grid[2]
         table = jnp.asarray(rope(model.head_dim, grid, (0, 0, 0)))
         temb, proj = model.embed_time(mod, t)
-        ref = jnp.concatenate([cache] * copies, axis=2) if copies > 1 else cache  # (layers, 2, N, H, S_ref, D)
 
         def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return with_reference(rotate(q, table), rotate(k, table), v, ref[i, 0], ref[i, 1], tokens)
+            # cache: (layers, 2, B, H, S_ref, D); the N = copies x B rows of q take row (row % B)
+            return self_attention(rotate(q, table), rotate(k, table), v, mesh, tokens, cache[i, 0], cache[i, 1])
 
         hidden = model.blocks(mod, hidden, proj, kv, image_tokens, attend, b if copies > 1 else None)
         head = mod.head
@@ -366,10 +451,13 @@ def cache_spec(module: Any, g: Geometry, dtype: Any) -> TensorSpec:
                       np.dtype(dtype).name)
 
 
-def cache_layout(mesh: dict[str, int], batch: int) -> PartitionSpec:
-    """The reference cache's layout (layers, 2, B, heads, tokens, head_dim): as the blocks' self-attention keys and
-    values (export/sharding.py self_kv: the batch over dp where it divides, heads over tp)."""
-    return PartitionSpec(None, None, *sharding.dit_layout(mesh, batch, 1).self_kv)
+def cache_layout(mesh: dict[str, int], batch: int, tokens: int) -> PartitionSpec:
+    """The reference cache's layout (layers, 2, B, heads, tokens, head_dim): as the reference pass's activations
+    (export/sharding.py `dit_layout` of B samples of `tokens`: the batch over dp where it divides, else the tokens
+    over (dp, sp) where they divide), heads over tp. Each block's keys and values are gathered whole on their tokens
+    when the step's attention reads them."""
+    layout = sharding.dit_layout(mesh, batch, tokens)
+    return PartitionSpec(None, None, layout.batch_spec[0], "tp", DitLayout._axes(layout.seq), None)
 
 
 def export_programs(ex: Extracted, g: Geometry, order: int, model_dtype: Any, files: Any, todo: list[Any],
@@ -379,9 +467,9 @@ def export_programs(ex: Extracted, g: Geometry, order: int, model_dtype: Any, fi
     b, z, frames, h, w = g.latent_shape
     kv = files.programs[prog.Program.cross_kv().name].outputs["kv"]
     cache = cache_spec(ex.module, g, model_dtype)
-    spec = cache_layout(mesh, b)
+    spec = cache_layout(mesh, b, reference_tokens(ex.module, g))
     parts = {"ref_cache": spec}
-    heads = NamedSharding(abstract_mesh(files.target), PartitionSpec(*spec[2:]))
+    amesh = abstract_mesh(files.target)
     tokens = frames * (h // 2) * (w // 2)
     mask = g.temporal_scale
     for p in todo:
@@ -389,8 +477,8 @@ def export_programs(ex: Extracted, g: Geometry, order: int, model_dtype: Any, fi
             inputs = {"reference": TensorSpec((b, 2 * z + mask, g.latent_frames, h, w), "float32"), "kv": kv,
                       "ref_cache": cache}
             with sharding.use_layout(sharding.dit_layout(mesh, b, reference_tokens(ex.module, g))):
-                files.add_program(p.name, "transformer", build_reference(ex, model_dtype, text_tokens, heads), inputs,
-                                  list(prog.REFERENCE_STEP_OUTPUTS), parts, spec)
+                files.add_program(p.name, "transformer", build_reference(ex, model_dtype, text_tokens, amesh, spec),
+                                  inputs, list(prog.REFERENCE_STEP_OUTPUTS), parts, spec)
             continue
         v = DENOISE_VARIANTS[p.variant]
         inputs = {"state": TensorSpec((sched.state_rows(order), b, z, frames, h, w), "float32"), "kv": kv,
@@ -398,5 +486,5 @@ def export_programs(ex: Extracted, g: Geometry, order: int, model_dtype: Any, fi
                   "row": TensorSpec((sched.row_size(order),), "float32"),
                   "condition": TensorSpec((b, mask + z, frames, h, w), "float32"), "ref_cache": cache}
         with sharding.use_layout(sharding.dit_layout(mesh, (2 if v.cfg else 1) * b, tokens)):
-            files.add_program(p.name, "transformer", build_step(ex, order, model_dtype, text_tokens, v, heads),
+            files.add_program(p.name, "transformer", build_step(ex, order, model_dtype, text_tokens, v, amesh),
                               inputs, ["state", "finite"], parts)
