@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .animate import _timed
 from .common import NEGATIVE, PROMPT, WORKLOADS, Report, Table, add_common, bundle, log, median, num, ratio
 
 COUNTS = (1, 2)
@@ -38,18 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, repeats=2, dtypes=("bf16",))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--guidance", type=float, default=1.0)
-
-
-def _timed(fn: Callable[..., Any], into: dict[str, float], part: str) -> Callable[..., Any]:
-    import jax
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args, **kwargs))
-        into[part] = into.get(part, 0.0) + time.perf_counter() - t0
-        return out
-
-    return run
 
 
 def _instrument(pipe: Any, parts: dict[str, float]) -> None:
