@@ -226,22 +226,12 @@ def build_pipeline(variant: str | dict[str, Any] = "tiny") -> Any:
         WanVACETransformer3DModel,
         WanVideoToVideoPipeline,
     )
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
     spec = variant if isinstance(variant, dict) else VARIANTS[variant]
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(tokenizer_json()),
-        pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512,
-    )
+    tokenizer = _tokenizer()
     torch.manual_seed(0)
     te = spec["text_encoder"]
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=te["d_model"], d_kv=te["d_kv"], d_ff=te["d_ff"],
-        num_layers=te["num_layers"], num_heads=te["num_heads"], relative_attention_num_buckets=32,
-        relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )).eval()
+    text_encoder = _umt5(te, len(tokenizer))
     pipeline = spec.get("pipeline", "t2v")
     from diffusers import (
         ChronoEditPipeline,
@@ -334,6 +324,18 @@ def _tokenizer() -> Any:
                                    eos_token="</s>", unk_token="<unk>", model_max_length=512)
 
 
+def _umt5(te: dict[str, int], vocab: int) -> Any:
+    """The tiny UMT5 text encoder of a variant's `text_encoder` widths (random: seed it first)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab, d_model=te["d_model"], d_kv=te["d_kv"], d_ff=te["d_ff"],
+        num_layers=te["num_layers"], num_heads=te["num_heads"], relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )).eval()
+
+
 def build_modular(variant: str | dict[str, Any]) -> Any:
     """A Wan-Animate 2 modular pipeline (fp32, CPU) with seeded random weights, as diffusers' docs build one:
     `WanAnimate2Blocks().init_pipeline()` (the distilled: `WanAnimate2DistilledBlocks`), then
@@ -341,18 +343,13 @@ def build_modular(variant: str | dict[str, Any]) -> Any:
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanAnimate2Transformer3DModel
     from diffusers.modular_pipelines import WanAnimate2Blocks, WanAnimate2DistilledBlocks
-    from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+    from transformers import CLIPVisionConfig, CLIPVisionModel
 
     spec = variant if isinstance(variant, dict) else VARIANTS[variant]
     tokenizer = _tokenizer()
     torch.manual_seed(0)
     te = spec["text_encoder"]
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=te["d_model"], d_kv=te["d_kv"], d_ff=te["d_ff"],
-        num_layers=te["num_layers"], num_heads=te["num_heads"], relative_attention_num_buckets=32,
-        relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )).eval()
+    text_encoder = _umt5(te, len(tokenizer))
     torch.manual_seed(1)
     transformer = WanAnimate2Transformer3DModel(**spec["transformer"]).eval()
     torch.manual_seed(2)
